@@ -1,0 +1,37 @@
+# Two commands on a fresh machine with Python 3.11: `make demo` (the main job) and `make test`.
+# Each creates the virtual environment it needs in .venv and installs the project into it.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+EXTRAS ?= torch,mlx,s3,zstd,demo,dev
+PYTEST_ARGS ?=
+
+.PHONY: demo test venv install lint typecheck clean
+
+$(VENV)/.deps: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q ".[$(EXTRAS)]"
+	touch $@
+
+venv: $(VENV)/.deps
+
+# Tests run against the installed package, so install the current tree before each run.
+install: venv
+	$(PY) -m pip install -q --no-deps --force-reinstall .
+
+demo: install
+	$(VENV)/bin/gradientmail demo
+
+test: install
+	$(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check core shell adapters tests specs bench
+	$(VENV)/bin/ruff format --check core shell adapters tests specs bench
+
+typecheck: venv
+	PYTHON=$(PY) bash .ci/typecheck
+
+clean:
+	rm -rf $(VENV) build *.egg-info

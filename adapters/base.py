@@ -1,0 +1,132 @@
+"""The two protocols between a framework and the shell: ``Adapter`` and ``Backend``.
+
+Bytes are the contract: ``TensorBytes`` written by one framework's backend decode to the same
+numbers in every other, so one run may mix torch and MLX nodes.
+
+``Tensors`` are a backend's own arrays by parameter name (torch tensors, MLX arrays); the shell
+never looks inside them and only hands them back to the backend that made them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, TypeAlias, runtime_checkable
+
+from gradientmail.core.tensors import Quantized, Schema, TensorBytes
+
+__all__ = ["Adapter", "Backend", "Tensors"]
+
+Tensors: TypeAlias = dict[str, Any]
+
+
+@runtime_checkable
+class Adapter(Protocol):
+    """A model's canonical trainable parameters, read and written as bytes."""
+
+    @property
+    def schema(self) -> Schema:
+        """The trainable parameters: names as the framework names them, F32/F16/BF16."""
+        ...
+
+    def read(self, names: Sequence[str]) -> dict[str, TensorBytes]:
+        """Contiguous host copies of the named parameters."""
+        ...
+
+    def write(self, tensors: Mapping[str, TensorBytes]) -> None:
+        """Overwrite the named parameters in place; optimizers keep their references."""
+        ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The tensor work of a node, on its framework's device.
+
+    Every method that takes ``Tensors`` takes those this backend produced. Arithmetic on
+    deltas, averages and outer steps is in F32 whatever the parameters' dtype.
+    """
+
+    name: str
+
+    def adapter(self, model: object) -> Adapter:
+        """The adapter for ``model``; ``TypeError`` naming the type when it is not this
+        backend's framework."""
+        ...
+
+    def capture(self, adapter: Adapter, names: Sequence[str]) -> Tensors:
+        """Device-side copies of the named live parameters, in their own dtype. Called on the
+        training thread; must not wait for the copy to finish (``ready`` does)."""
+        ...
+
+    def ready(self, tensors: Tensors) -> None:
+        """Block until the copies ``capture`` started are complete (CUDA events); no-op else."""
+        ...
+
+    def load(self, tensors: Mapping[str, TensorBytes]) -> Tensors:
+        """Framework tensors of ``tensors``, keeping their dtype (F32, F16 or BF16)."""
+        ...
+
+    def dump(self, tensors: Tensors) -> dict[str, TensorBytes]:
+        """Bytes of ``tensors``, keeping their dtype."""
+        ...
+
+    def delta(self, base: Tensors, local: Tensors, residual: Tensors | None = None) -> Tensors:
+        """``base - local`` in F32, plus the error-feedback ``residual`` when given."""
+        ...
+
+    def encode(
+        self, delta: Tensors, quantization: Quantized | None
+    ) -> tuple[dict[str, TensorBytes], Tensors]:
+        """The payload of an F32 ``delta``, quantized when asked (``quantized_specs`` layout),
+        and the residual ``delta - decode(payload)`` for error feedback (zeros when exact).
+        Raises ``NonFinite`` naming the tensors that hold NaN or Inf."""
+        ...
+
+    def decode(self, payload: Mapping[str, TensorBytes], schema: Schema) -> Tensors:
+        """F32 deltas for every parameter of ``schema`` from a payload in any of the layouts
+        (plain F32/F16/BF16, F8_E4M3 or F4 with scales). Raises ``SchemaMismatch`` naming the
+        entries that are missing or of the wrong shape, ``NonFinite`` for NaN or Inf."""
+        ...
+
+    def average(self, weighted: Sequence[tuple[float, Tensors]]) -> Tensors:
+        """``sum(w_i * t_i) / sum(w_i)`` in F32; weights are positive."""
+        ...
+
+    def weighted_sum(self, weighted: Sequence[tuple[float, Tensors]]) -> Tensors:
+        """``sum(w_i * t_i)`` in F32 (the outer gradient; the caller normalizes the weights)."""
+        ...
+
+    def outer_step(
+        self,
+        master: Tensors,
+        momentum: Tensors | None,
+        gradient: Tensors,
+        *,
+        lr: float,
+        beta: float,
+        nesterov: bool = True,
+    ) -> tuple[Tensors, Tensors]:
+        """One SGD step with (Nesterov) momentum, all F32, as torch.optim.SGD computes it:
+        ``m = beta * m + g`` (``m = g`` when ``momentum`` is None); ``u = g + beta * m`` if
+        Nesterov else ``m``; returns ``(master - lr * u, m)``."""
+        ...
+
+    def cast(self, tensors: Tensors, schema: Schema) -> Tensors:
+        """``tensors`` rounded (to nearest even) to the dtypes ``schema`` gives them."""
+        ...
+
+    def merge(
+        self,
+        adapter: Adapter,
+        commit: Tensors,
+        *,
+        since: Tensors | None,
+        alpha: float | None,
+    ) -> None:
+        """Fold a commit's parameters into the live model, on the training thread, in place.
+
+        With ``alpha`` set: ``live = alpha * live + (1 - alpha) * commit`` (Streaming DiLoCo's
+        mixing). Otherwise with ``since`` (the local parameters the progress is measured from):
+        ``live = commit + (live - since)``, which keeps the steps trained since then. With
+        neither: ``live = commit``. Arithmetic in F32, rounded to the parameters' dtype.
+        """
+        ...

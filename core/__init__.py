@@ -1,0 +1,1 @@
+"""The pure protocol core: records, keys, rules and codecs. No I/O, threads or clock reads."""

@@ -1,0 +1,148 @@
+"""The key layout of a run, in one place: every key the protocol reads or writes is built and
+parsed here.
+
+Round numbers are zero-padded to 20 digits so lexicographic order (how stores list) is numeric
+order. Node ids are ``[a-z0-9-]{1,64}``; nonces are 16 lowercase hex digits.
+
+::
+
+    manifest                                  create-only: the run (and its initial commit)
+    init/<fragment:04>-<nonce>                initial parameters of a fragment
+    leases/<node>                             overwritten by its owner only
+    heads/<fragment:04>                       advisory hint: a recent commit round of a fragment
+    rounds/<round:020>/snapshots/<node>       create-only: one node's delta for the round
+    rounds/<round:020>/claims/<attempt:04>    create-only: who closes the round, attempt a
+    rounds/<round:020>/params-<nonce>         the fragment's parameters after the round
+    rounds/<round:020>/state-<nonce>          F32 master parameters and outer momentum
+    rounds/<round:020>/commit                 create-only round record, written last
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import attrs
+
+from gradientmail.core.errors import FormatError
+
+MANIFEST = "manifest"
+LEASES = "leases/"
+ROUNDS = "rounds/"
+NODE_PATTERN = re.compile(r"[a-z0-9-]{1,64}")
+NONCE_PATTERN = re.compile(r"[0-9a-f]{16}")
+MAX_ROUND = 10**20 - 1
+MAX_ATTEMPT = 9999
+MAX_FRAGMENT = 9999
+
+Kind = Literal[
+    "manifest", "init", "lease", "head", "snapshot", "claim", "params", "state", "commit"
+]
+
+
+def check_node(node: str) -> str:
+    """Return ``node`` if it is a valid node id, else raise ``ValueError`` saying the rule."""
+    if not isinstance(node, str) or not NODE_PATTERN.fullmatch(node):
+        raise ValueError(f"node id {node!r} must match [a-z0-9-]{{1,64}}")
+    return node
+
+
+def check_nonce(nonce: str) -> str:
+    if not isinstance(nonce, str) or not NONCE_PATTERN.fullmatch(nonce):
+        raise ValueError(f"nonce {nonce!r} must be 16 lowercase hex digits")
+    return nonce
+
+
+def _round(r: int) -> str:
+    if not 0 <= r <= MAX_ROUND:
+        raise ValueError(f"round {r} outside 0..{MAX_ROUND}")
+    return f"{r:020d}"
+
+
+def init(fragment: int, nonce: str) -> str:
+    return f"init/{fragment:04d}-{check_nonce(nonce)}"
+
+
+def lease(node: str) -> str:
+    return LEASES + check_node(node)
+
+
+def head(fragment: int) -> str:
+    return f"heads/{fragment:04d}"
+
+
+def round_prefix(r: int) -> str:
+    return f"{ROUNDS}{_round(r)}/"
+
+
+def snapshots(r: int) -> str:
+    """The prefix under which round ``r``'s snapshots are listed."""
+    return round_prefix(r) + "snapshots/"
+
+
+def snapshot(r: int, node: str) -> str:
+    return snapshots(r) + check_node(node)
+
+
+def claims(r: int) -> str:
+    return round_prefix(r) + "claims/"
+
+
+def claim(r: int, attempt: int) -> str:
+    if not 0 <= attempt <= MAX_ATTEMPT:
+        raise ValueError(f"attempt {attempt} outside 0..{MAX_ATTEMPT}")
+    return f"{claims(r)}{attempt:04d}"
+
+
+def params(r: int, nonce: str) -> str:
+    return f"{round_prefix(r)}params-{check_nonce(nonce)}"
+
+
+def state(r: int, nonce: str) -> str:
+    return f"{round_prefix(r)}state-{check_nonce(nonce)}"
+
+
+def commit(r: int) -> str:
+    return round_prefix(r) + "commit"
+
+
+@attrs.frozen(kw_only=True)
+class ParsedKey:
+    """A key of ours taken apart; fields that do not apply to its kind are None."""
+
+    kind: Kind
+    round: int | None = None
+    node: str | None = None
+    attempt: int | None = None
+    fragment: int | None = None
+    nonce: str | None = None
+
+
+_PATTERNS: tuple[tuple[Kind, re.Pattern[str]], ...] = (
+    ("manifest", re.compile(r"manifest")),
+    ("init", re.compile(r"init/(?P<fragment>\d{4})-(?P<nonce>[0-9a-f]{16})")),
+    ("lease", re.compile(r"leases/(?P<node>[a-z0-9-]{1,64})")),
+    ("head", re.compile(r"heads/(?P<fragment>\d{4})")),
+    ("snapshot", re.compile(r"rounds/(?P<round>\d{20})/snapshots/(?P<node>[a-z0-9-]{1,64})")),
+    ("claim", re.compile(r"rounds/(?P<round>\d{20})/claims/(?P<attempt>\d{4})")),
+    ("params", re.compile(r"rounds/(?P<round>\d{20})/params-(?P<nonce>[0-9a-f]{16})")),
+    ("state", re.compile(r"rounds/(?P<round>\d{20})/state-(?P<nonce>[0-9a-f]{16})")),
+    ("commit", re.compile(r"rounds/(?P<round>\d{20})/commit")),
+)
+
+
+def parse(key: str) -> ParsedKey:
+    """Take a key of ours apart; ``FormatError`` naming the key when it is not one of ours."""
+    for kind, pattern in _PATTERNS:
+        match = pattern.fullmatch(key)
+        if match:
+            groups = match.groupdict()
+            return ParsedKey(
+                kind=kind,
+                round=int(groups["round"]) if "round" in groups else None,
+                node=groups.get("node"),
+                attempt=int(groups["attempt"]) if "attempt" in groups else None,
+                fragment=int(groups["fragment"]) if "fragment" in groups else None,
+                nonce=groups.get("nonce"),
+            )
+    raise FormatError("not a key of a gradientmail run", key=key)

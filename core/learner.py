@@ -1,0 +1,289 @@
+"""The learner's rules: when a node publishes, what it reports, when ``step`` blocks, and how a
+commit is merged. Pure transitions ``(state, input) -> (state, effects)``; the shell applies the
+effects on the training thread (``Merge``, ``Publish``: both touch the model) and in the
+communication loop (uploading what ``Publish`` captured).
+
+Schedule. A node publishes one round every ``H/K`` of its own steps (a *slot*; slot ``j`` ends at
+step ``floor(j*H/K)``), choosing the smallest round it may publish: for each fragment with no
+snapshot in flight, the round after its newest merged commit (``merged + K``). Rounds are numbered
+for the whole run and round ``r`` syncs fragment ``r mod K``, so on a fresh run fragment ``k``
+syncs at steps ``(k+1)H/K + jH``: every H steps, staggered by H/K (Streaming DiLoCo). Publishing
+in round order, never by per-fragment local clocks, is what keeps nodes that joined at different
+times from waiting on each other in a cycle (see docs/protocol.md).
+
+A fragment publishes nothing while its previous snapshot is in flight (Decision 5): a slot with
+no free fragment is deferred and taken as soon as a merge frees one. A fragment with no samples
+publishes nothing (Decision 6).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+from gradientmail.core.algorithm import DiLoCo
+from gradientmail.core.errors import ProtocolError
+
+__all__ = [
+    "Blocked",
+    "FragmentState",
+    "LearnerState",
+    "Merge",
+    "Publish",
+    "Rebased",
+    "close",
+    "done",
+    "join",
+    "on_commit",
+    "step",
+    "waiting_on",
+]
+
+
+@attrs.frozen(kw_only=True)
+class FragmentState:
+    """One fragment as a learner sees it.
+
+    ``merged`` is the newest commit round the model holds (-1: the initial parameters).
+    ``outstanding`` is the round of the snapshot in flight, with the samples and steps it
+    reported (``in_flight_*``) and the step it was taken at (``published_at``; None when the
+    overlap bound does not apply to it). ``samples`` and ``steps`` count training since the
+    last snapshot.
+    """
+
+    merged: int = -1
+    outstanding: int | None = None
+    published_at: int | None = None
+    in_flight_samples: int = 0
+    in_flight_steps: int = 0
+    samples: int = 0
+    steps: int = 0
+
+    @property
+    def free(self) -> bool:
+        return self.outstanding is None
+
+
+@attrs.frozen(kw_only=True)
+class LearnerState:
+    fragments: tuple[FragmentState, ...]
+    step: int = 0
+    slot: int = 1
+    deferred: int = 0
+    closing: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class Publish:
+    """Capture the fragment's parameters now and publish ``base - captured`` into ``round``."""
+
+    fragment: int
+    round: int
+    base_round: int
+    samples: int
+    steps: int
+
+
+@attrs.frozen(kw_only=True)
+class Merge:
+    """Fold the commit of ``round`` into the model.
+
+    ``since``: "snapshot" keeps the progress made after this node's own snapshot (it was
+    included); "base" keeps all progress since the previous commit (nothing of it was
+    counted: a missed round, or a commit this node did not report to). ``alpha`` mixes instead.
+    """
+
+    fragment: int
+    round: int
+    since: Literal["snapshot", "base"]
+    alpha: float | None
+
+
+@attrs.frozen(kw_only=True)
+class Rebased:
+    """This node's snapshot of ``missed`` was not included; its progress moves to a later
+    round (an event, nothing to execute)."""
+
+    fragment: int
+    missed: int
+    samples: int
+
+
+@attrs.frozen(kw_only=True)
+class Blocked:
+    """``step`` must wait for the commit of ``round`` (the overlap bound)."""
+
+    fragment: int
+    round: int
+    reason: str
+
+
+Effect = Publish | Merge | Rebased
+
+
+def join(algorithm: DiLoCo, merged: tuple[int, ...]) -> LearnerState:
+    """The state of a node that holds commit ``merged[k]`` of every fragment ``k``."""
+    if len(merged) != algorithm.fragments:
+        raise ValueError(f"join needs one merged round per fragment, got {len(merged)}")
+    for k, r in enumerate(merged):
+        if r != -1 and (r < 0 or r % algorithm.fragments != k):
+            raise ValueError(f"round {r} is not a round of fragment {k}")
+    return LearnerState(fragments=tuple(FragmentState(merged=r) for r in merged))
+
+
+def slot_end(algorithm: DiLoCo, slot: int) -> int:
+    """The step at which slot ``slot`` (1-based) ends: floor(slot * H / K)."""
+    return slot * algorithm.inner_steps // algorithm.fragments
+
+
+def step(state: LearnerState, algorithm: DiLoCo, samples: int) -> tuple[LearnerState, list[Effect]]:
+    """One inner step of ``samples`` tokens has been taken."""
+    if samples < 0:
+        raise ValueError(f"samples must be >= 0, got {samples}")
+    if state.closing:
+        raise ProtocolError("step() after close()")
+    fragments = tuple(
+        attrs.evolve(f, samples=f.samples + samples, steps=f.steps + 1) for f in state.fragments
+    )
+    state = attrs.evolve(state, step=state.step + 1, fragments=fragments)
+    effects: list[Effect] = []
+    while state.step >= slot_end(algorithm, state.slot):
+        # A slot that finds no free fragment waits for a merge; at most one per fragment.
+        deferred = min(state.deferred + 1, algorithm.fragments)
+        state = attrs.evolve(state, slot=state.slot + 1, deferred=deferred)
+    return _take_deferred(state, algorithm, effects)
+
+
+def waiting_on(state: LearnerState, algorithm: DiLoCo) -> Blocked | None:
+    """Why ``step`` must not return yet, or None: a snapshot taken ``overlap_steps`` or more
+    steps ago whose commit has not been merged."""
+    bound = algorithm.overlap_steps
+    if bound is None:
+        return None
+    for k, f in enumerate(state.fragments):
+        if f.outstanding is not None and f.published_at is not None:
+            if state.step - f.published_at >= bound:
+                return Blocked(
+                    fragment=k,
+                    round=f.outstanding,
+                    reason=(
+                        f"round {f.outstanding} published at step {f.published_at} is not "
+                        f"committed and overlap_steps={bound}"
+                    ),
+                )
+    return None
+
+
+def on_commit(
+    state: LearnerState, algorithm: DiLoCo, *, round: int, included: bool
+) -> tuple[LearnerState, list[Effect]]:
+    """The commit of ``round`` is ready to merge; ``included`` says whether it counted this
+    node's snapshot of that round. Older or already merged commits change nothing."""
+    k = round % algorithm.fragments
+    f = state.fragments[k]
+    if round <= f.merged:
+        return state, []
+    mine = f.outstanding == round and included
+    effects: list[Effect] = [
+        Merge(
+            fragment=k,
+            round=round,
+            since="snapshot" if mine else "base",
+            alpha=algorithm.alpha if mine else None,
+        )
+    ]
+    missed = f.outstanding is not None and not mine
+    if missed:
+        effects.append(Rebased(fragment=k, missed=f.outstanding or 0, samples=f.in_flight_samples))
+        f = attrs.evolve(
+            f, samples=f.samples + f.in_flight_samples, steps=f.steps + f.in_flight_steps
+        )
+    f = attrs.evolve(
+        f, merged=round, outstanding=None, published_at=None, in_flight_samples=0,
+        in_flight_steps=0,
+    )
+    state = _replace(state, k, f)
+    if missed and f.samples > 0:
+        # Decision 5: the missed progress goes into the fragment's next round at once. It is
+        # not a scheduled slot, so the overlap bound does not apply to it.
+        state, publish = _publish(state, k, algorithm, bounded=False)
+        effects.append(publish)
+        return state, effects
+    if state.closing:
+        return _publish_remaining(state, algorithm, effects)
+    return _take_deferred(state, algorithm, effects)
+
+
+def close(state: LearnerState, algorithm: DiLoCo) -> tuple[LearnerState, list[Effect]]:
+    """Training has ended: publish what every free fragment trained since its last snapshot;
+    fragments in flight publish theirs once merged."""
+    state = attrs.evolve(state, closing=True, deferred=0)
+    return _publish_remaining(state, algorithm, [])
+
+
+def done(state: LearnerState) -> bool:
+    """A closing learner is done when nothing is in flight and nothing is left to publish."""
+    return state.closing and all(f.free and f.samples == 0 for f in state.fragments)
+
+
+def _publish_remaining(
+    state: LearnerState, algorithm: DiLoCo, effects: list[Effect]
+) -> tuple[LearnerState, list[Effect]]:
+    for k, f in enumerate(state.fragments):
+        if f.free and f.samples > 0:
+            state, publish = _publish(state, k, algorithm, bounded=False)
+            effects.append(publish)
+    return state, effects
+
+
+def _take_deferred(
+    state: LearnerState, algorithm: DiLoCo, effects: list[Effect]
+) -> tuple[LearnerState, list[Effect]]:
+    while state.deferred > 0:
+        candidates = [
+            (next_round(algorithm, k, f.merged), k)
+            for k, f in enumerate(state.fragments)
+            if f.free and f.samples > 0
+        ]
+        if not candidates:
+            if all(f.free for f in state.fragments):
+                # Nothing trained since the last snapshots: the slot has nothing to publish.
+                state = attrs.evolve(state, deferred=0)
+            break
+        _, k = min(candidates)
+        state, publish = _publish(state, k, algorithm, bounded=True)
+        state = attrs.evolve(state, deferred=state.deferred - 1)
+        effects.append(publish)
+    return state, effects
+
+
+def _publish(
+    state: LearnerState, k: int, algorithm: DiLoCo, *, bounded: bool
+) -> tuple[LearnerState, Publish]:
+    f = state.fragments[k]
+    target = next_round(algorithm, k, f.merged)
+    publish = Publish(
+        fragment=k, round=target, base_round=f.merged, samples=f.samples, steps=f.steps
+    )
+    f = attrs.evolve(
+        f,
+        outstanding=target,
+        published_at=state.step if bounded else None,
+        in_flight_samples=f.samples,
+        in_flight_steps=f.steps,
+        samples=0,
+        steps=0,
+    )
+    return _replace(state, k, f), publish
+
+
+def next_round(algorithm: DiLoCo, fragment: int, merged: int) -> int:
+    """The round after commit ``merged`` of ``fragment`` (its first round when -1)."""
+    return fragment if merged < 0 else merged + algorithm.fragments
+
+
+def _replace(state: LearnerState, k: int, f: FragmentState) -> LearnerState:
+    fragments = list(state.fragments)
+    fragments[k] = f
+    return attrs.evolve(state, fragments=tuple(fragments))

@@ -1,0 +1,309 @@
+"""The syncer: every node runs one. It keeps the node's lease, watches the other leases, and
+closes the rounds the core rules assign it, taking over abandoned ones.
+
+Requests (Decision 8): one LIST of ``leases/`` every ``lease_every / 2`` seconds (and a GET for
+each lease whose version changed); for each round this node reported to, one LIST of its
+snapshots per poll until the round is closable, then one LIST of its claims per poll while it
+waits; commits are learned from the learner's GET polls (the ``Ledger``), never polled twice.
+"""
+
+from __future__ import annotations
+
+import time as _wall  # only for the Committed event's duration; never for decisions
+
+import attrs
+
+from gradientmail.adapters.base import Backend, Tensors
+from gradientmail.core import keys
+from gradientmail.core import syncer as rules
+from gradientmail.core.codecs import Compression
+from gradientmail.core.errors import FormatError
+from gradientmail.core.leases import Leases, observe
+from gradientmail.core.records import Claim, Commit, Lease, Manifest, Snapshot
+from gradientmail.core.tensors import Schema
+from gradientmail.events import (
+    Callback,
+    Claimed,
+    Committed,
+    Excluded,
+    LeaseExpired,
+    Rejected,
+    TookOver,
+)
+from gradientmail.exchange import Exchange, new_nonce
+from gradientmail.ledger import Ledger
+from gradientmail.run import payload_limit, read_fragment
+
+__all__ = ["Syncer"]
+
+
+class Syncer:
+    def __init__(
+        self,
+        *,
+        exchange: Exchange,
+        backend: Backend,
+        manifest: Manifest,
+        ledger: Ledger,
+        node: str,
+        compression: Compression,
+        poll_interval: float,
+        lease_every: float,
+        lease_timeout: float,
+        takeover: float,
+        on_event: Callback,
+    ) -> None:
+        self.node = node
+        self.lease_nonce = new_nonce()
+        self._exchange = exchange
+        self._clock = exchange.clock
+        self._backend = backend
+        self._manifest = manifest
+        self._algorithm = manifest.algorithm
+        self._ledger = ledger
+        self._compression = compression
+        self._poll_interval = poll_interval
+        self._lease_every = lease_every
+        self._lease_timeout = lease_timeout
+        self._takeover = takeover
+        self._on_event = on_event
+        self._leases = Leases()
+        self._versions: dict[str, tuple[str, bool, str]] = {}
+        self._watches: dict[int, rules.RoundWatch] = {}
+        self._views: dict[int, tuple[str, ...]] = {}
+        self._counter = 0
+        self._next_renewal = float("-inf")
+        self._next_observation = float("-inf")
+        self._expired: set[str] = set()
+        self.leaving = False
+        self._stopping = False
+        self.renewing = True
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def force_renewal(self) -> None:
+        """Renew at the next tick (a leaving node releases its lease at once)."""
+        self._next_renewal = float("-inf")
+
+    def active_nodes(self) -> int:
+        """Live nodes that have not left, as this node last saw them."""
+        now = self._clock.now()
+        return len(self._leases.active(now=now, lease_timeout=self._lease_timeout))
+
+    async def run(self) -> None:
+        while not self._stopping:
+            await self.tick()
+            await self._clock.sleep(self._poll_interval)
+        await self.renew(left=True)
+
+    async def tick(self) -> None:
+        now = self._clock.now()
+        if now >= self._next_renewal and self.renewing:
+            await self.renew(left=self.leaving)
+            self._next_renewal = now + self._lease_every
+        if now >= self._next_observation:
+            await self._observe_leases()
+            self._next_observation = now + self._lease_every / 2
+        for r in self._ledger.watched():
+            await self._round(r)
+
+    async def renew(self, *, left: bool) -> None:
+        self._counter += 1
+        lease = Lease(node=self.node, nonce=self.lease_nonce, counter=self._counter, left=left)
+        await self._exchange.put_lease(lease)
+
+    async def _observe_leases(self) -> None:
+        versions = await self._exchange.lease_versions()
+        listing: dict[str, tuple[str, bool, str]] = {}
+        for node, version in versions.items():
+            known = self._versions.get(node)
+            if known is not None and known[0] == version:
+                listing[node] = known
+                continue
+            try:
+                lease = await self._exchange.lease(node)
+            except FormatError as exc:
+                self._on_event(Rejected(node=self.node, key=keys.lease(node), reason=str(exc)))
+                continue
+            if lease is None or lease.node != node:
+                continue
+            listing[node] = (version, lease.left, lease.nonce)
+        self._versions = listing
+        now = self._clock.now()
+        self._leases = observe(self._leases, listing, now=now, lease_every=self._lease_every)
+        live = self._leases.live(now=now, lease_timeout=self._lease_timeout)
+        for node in sorted(set(listing) - live - self._expired):
+            self._on_event(LeaseExpired(observer=self.node, node=node))
+        self._expired = set(listing) - live
+
+    async def _round(self, r: int) -> None:
+        if self._ledger.commit(r) is not None:
+            self._forget(r)
+            return
+        watch = self._watches.get(r) or rules.RoundWatch(round=r)
+        if watch.open_since is None or r not in self._views:
+            self._views[r] = tuple(await self._exchange.reporters(r))
+        claims: tuple[Claim, ...] = ()
+        if watch.open_since is not None:
+            claims = tuple(await self._exchange.claims(r))
+        previous = rules.previous_round(self._algorithm, r)
+        before = self._ledger.commit(previous) if previous >= 0 else None
+        view = rules.RoundView(
+            round=r,
+            reporters=self._views[r],
+            previous_reporters=(
+                tuple(i.node for i in before.included) if before is not None else None
+            ),
+            claims=claims,
+        )
+        watch, decision = rules.decide(
+            view,
+            watch,
+            self._leases,
+            me=self.node,
+            algorithm=self._algorithm,
+            now=self._clock.now(),
+            lease_timeout=self._lease_timeout,
+            takeover=self._takeover,
+        )
+        self._watches[r] = watch
+        if isinstance(decision, rules.ClaimRound):
+            await self._close(r, decision.attempt)
+
+    def _forget(self, r: int) -> None:
+        self._ledger.unwatch(r)
+        self._watches.pop(r, None)
+        self._views.pop(r, None)
+
+    async def _close(self, r: int, attempt: int) -> None:
+        claim = Claim(node=self.node, nonce=new_nonce(), round=r, attempt=attempt)
+        if not await self._exchange.claim(claim):
+            return
+        event = TookOver if attempt > 0 else Claimed
+        self._on_event(event(node=self.node, round=r, attempt=attempt))
+        started = _wall.monotonic()
+        commit = await self._commit(r, attempt)
+        if commit is None:
+            return
+        self._ledger.committed(commit)
+        self._forget(r)
+        self._on_event(
+            Committed(
+                node=self.node,
+                round=r,
+                fragment=commit.fragment,
+                attempt=attempt,
+                included=len(commit.included),
+                samples=commit.samples,
+                seconds=_wall.monotonic() - started,
+            )
+        )
+
+    async def _commit(self, r: int, attempt: int) -> Commit | None:
+        k = r % self._algorithm.fragments
+        schema = self._manifest.fragment_schema(k)
+        snapshots, deltas = await self._read_snapshots(r, schema)
+        chosen, excluded = rules.include(self._algorithm, r, snapshots)
+        for node, reason in excluded:
+            self._exclude(r, node, reason)
+        if not chosen:
+            return None
+        master, momentum = await self._outer_state(r, k, schema)
+        weights = rules.outer_weights(self._algorithm, chosen)
+        gradient = self._backend.weighted_sum(
+            [(w, deltas[i.node]) for w, i in zip(weights, chosen, strict=True)]
+        )
+        master, momentum = self._backend.outer_step(
+            master,
+            momentum,
+            gradient,
+            lr=self._algorithm.outer_lr,
+            beta=self._algorithm.outer_momentum,
+            nesterov=self._algorithm.nesterov,
+        )
+        nonce = new_nonce()
+        params = self._backend.dump(self._backend.cast(master, schema))
+        state = {f"master.{n}": t for n, t in self._backend.dump(master).items()}
+        state |= {f"momentum.{n}": t for n, t in self._backend.dump(momentum).items()}
+        params_ref = await self._exchange.write_payload(
+            keys.params(r, nonce), params, self._compression
+        )
+        state_ref = await self._exchange.write_payload(
+            keys.state(r, nonce), state, self._compression
+        )
+        commit = Commit(
+            round=r,
+            fragment=k,
+            base_round=rules.previous_round(self._algorithm, r),
+            closer=self.node,
+            attempt=attempt,
+            nonce=nonce,
+            included=tuple(chosen),
+            params=params_ref,
+            state=state_ref,
+        )
+        if not await self._exchange.create_commit(commit):
+            # Another attempt committed first: ours must leave no trace (Decision 2).
+            await self._exchange.delete(params_ref.key)
+            await self._exchange.delete(state_ref.key)
+            return None
+        await self._exchange.put_head(k, r)
+        await self._collect(r)
+        return commit
+
+    def _exclude(self, r: int, node: str, reason: str) -> None:
+        key = keys.snapshot(r, node)
+        self._on_event(Excluded(node=self.node, round=r, key=key, reason=reason))
+
+    async def _read_snapshots(
+        self, r: int, schema: Schema
+    ) -> tuple[list[tuple[str, Snapshot]], dict[str, Tensors]]:
+        snapshots: list[tuple[str, Snapshot]] = []
+        deltas: dict[str, Tensors] = {}
+        limit = payload_limit(schema)
+        for node in await self._exchange.reporters(r):
+            try:
+                found = await self._exchange.snapshot(r, node, limit=limit)
+                if found is None:
+                    continue
+                record, payload = found
+                deltas[node] = self._backend.decode(payload, schema)
+            except ValueError as exc:  # FormatError, SchemaMismatch, NonFinite
+                self._exclude(r, node, str(exc))
+                continue
+            snapshots.append((node, record))
+        return snapshots, deltas
+
+    async def _outer_state(self, r: int, k: int, schema: Schema) -> tuple[Tensors, Tensors | None]:
+        """F32 master parameters and momentum the round's outer step starts from."""
+        previous = rules.previous_round(self._algorithm, r)
+        f32 = Schema.of(attrs.evolve(p, dtype="F32") for p in schema.parameters)
+        if previous < 0:
+            init = await read_fragment(self._exchange, self._manifest.init[k], schema)
+            if init is None:
+                raise FormatError("initial parameters are gone", key=self._manifest.init[k].key)
+            return self._backend.cast(self._backend.load(init), f32), None
+        before = self._ledger.commit(previous) or await self._exchange.commit(previous)
+        if before is None:
+            raise FormatError(f"round {r}'s base round {previous} has no commit")
+        state_schema = Schema.of(
+            attrs.evolve(p, name=f"{part}.{p.name}")
+            for part in ("master", "momentum")
+            for p in f32.parameters
+        )
+        state = await read_fragment(self._exchange, before.state, state_schema)
+        if state is None:
+            raise FormatError("outer state is gone", key=before.state.key)
+        loaded = self._backend.load(state)
+        master = {n: loaded[f"master.{n}"] for n in schema.names}
+        momentum = {n: loaded[f"momentum.{n}"] for n in schema.names}
+        return master, momentum
+
+    async def _collect(self, r: int) -> None:
+        old = rules.collectable(self._algorithm, r)
+        if old is None:
+            return
+        for key in await self._exchange.list_keys(keys.round_prefix(old)):
+            if key != keys.commit(old):
+                await self._exchange.delete(key)

@@ -1,0 +1,1 @@
+"""Test helpers that ship with the library: conformance suites, audit, simulation."""
