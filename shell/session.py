@@ -94,6 +94,7 @@ class Node:
         takeover: float | None = None,
         on_event: Callback = log_events,
         fragment_mapping: Mapping[str, int] | None = None,
+        keep_rounds: int | None = 2,
     ) -> None:
         keys.check_node(learner_id)
         if poll_interval <= 0 or lease_every <= 0:
@@ -123,6 +124,7 @@ class Node:
             "lease_timeout": lease_timeout,
             "takeover": takeover if takeover is not None else lease_timeout,
             "mapping": fragment_mapping,
+            "keep_rounds": keep_rounds,
         }
         self.learner: Learner | None = None
         self.syncer: Syncer | None = None
@@ -170,6 +172,7 @@ class Node:
             lease_every=s["lease_every"],
             lease_timeout=s["lease_timeout"],
             takeover=s["takeover"],
+            keep_rounds=s["keep_rounds"],
             on_event=self.on_event,
         )
         await self.syncer.tick()
@@ -244,6 +247,12 @@ class Session:
         Seconds ``close`` waits for this node's last rounds to commit before raising.
     callbacks
         What receives the node's events; one that raises is logged and ignored.
+    fragment_mapping
+        Parameter name to fragment index, overriding the strided partition (used only by the
+        node that creates the run).
+    keep_rounds
+        Rounds of each fragment whose payloads stay in the mailbox after a newer commit
+        (garbage collection, Decision 7); None keeps everything (for audits).
     """
 
     def __init__(
@@ -262,6 +271,7 @@ class Session:
         close_timeout: float = 600.0,
         callbacks: Sequence[Callback] = (log_events,),
         fragment_mapping: Mapping[str, int] | None = None,
+        keep_rounds: int | None = 2,
     ) -> None:
         self._mailbox = mailbox
         self._on_event = combined(*callbacks)
@@ -279,6 +289,7 @@ class Session:
             takeover=takeover,
             on_event=self._on_event,
             fragment_mapping=fragment_mapping,
+            keep_rounds=keep_rounds,
         )
         self._poll_interval = poll_interval
         self._close_timeout = close_timeout

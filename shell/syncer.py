@@ -52,6 +52,7 @@ class Syncer:
         lease_timeout: float,
         takeover: float,
         on_event: Callback,
+        keep_rounds: int | None = 2,
     ) -> None:
         self.node = node
         self.lease_nonce = new_nonce()
@@ -67,6 +68,7 @@ class Syncer:
         self._lease_timeout = lease_timeout
         self._takeover = takeover
         self._on_event = on_event
+        self._keep_rounds = keep_rounds
         self._leases = Leases()
         self._versions: dict[str, tuple[str, bool, str]] = {}
         self._watches: dict[int, rules.RoundWatch] = {}
@@ -301,7 +303,9 @@ class Syncer:
         return master, momentum
 
     async def _collect(self, r: int) -> None:
-        old = rules.collectable(self._algorithm, r)
+        if self._keep_rounds is None:
+            return
+        old = rules.collectable(self._algorithm, r, keep=self._keep_rounds)
         if old is None:
             return
         for key in await self._exchange.list_keys(keys.round_prefix(old)):

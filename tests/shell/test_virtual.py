@@ -8,10 +8,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from gradientmail import DiLoCo  # noqa: E402
-from gradientmail.core import keys  # noqa: E402
 from gradientmail.events import Committed, Event, Merged  # noqa: E402
 from gradientmail.memory import MemoryMailbox  # noqa: E402
 from gradientmail.session import Node  # noqa: E402
+from gradientmail.adapters.torch import TorchBackend  # noqa: E402
+from gradientmail.testing.audit import audit  # noqa: E402
 from gradientmail.testing.virtual import Scheduler, VirtualClock  # noqa: E402
 
 
@@ -42,6 +43,7 @@ def run_nodes(
             lease_every=2.0,
             lease_timeout=5.0,
             on_event=events.append,
+            keep_rounds=None,
         )
         await clock.sleep(0.1 * i)
         await node.join()
@@ -97,9 +99,9 @@ def test_three_nodes_complete_a_run_in_one_thread(algorithm: DiLoCo) -> None:
         assert chain == list(range(k, k + K * len(chain), K))
     merged = [e for e in events if isinstance(e, Merged)]
     assert {e.node for e in merged} == {"node-0", "node-1", "node-2"}
-    assert all(
-        mailbox._store.objects.get(keys.commit(r)) is not None for r in rounds  # noqa: SLF001
-    )
+    report = audit(mailbox, backend=TorchBackend())
+    assert report.rounds == tuple(rounds)
+    assert report.recomputed == len(rounds)  # params derive from exactly the listed snapshots
 
 
 def test_virtual_runs_are_deterministic() -> None:
