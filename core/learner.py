@@ -190,7 +190,8 @@ def on_commit(
             fragment=k,
             round=round,
             since="snapshot" if mine else "base",
-            alpha=algorithm.alpha if mine else None,
+            # A closing node trains no more: a plain merge leaves it holding the commit itself.
+            alpha=algorithm.alpha if mine and not state.closing else None,
         )
     ]
     missed = f.outstanding is not None and not mine

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -218,14 +219,19 @@ def combined(*callbacks: Callback) -> Callback:
 
 class JsonLines:
     """A callback that appends each event as one JSON object per line to ``path`` (for
-    metrics), with its type under ``"event"``. Thread-safe."""
+    metrics), with its type under ``"event"`` and the wall-clock time (Unix seconds) it was
+    logged at under ``"time"``. Thread-safe."""
 
     def __init__(self, path: str | Path) -> None:
         self._path = Path(path)
         self._lock = threading.Lock()
 
     def __call__(self, event: Event) -> None:
-        record: dict[str, Any] = {"event": type(event).__name__, **attrs.asdict(event)}
+        record: dict[str, Any] = {
+            "event": type(event).__name__,
+            "time": time.time(),
+            **attrs.asdict(event),
+        }
         line = json.dumps(record, sort_keys=True)
         with self._lock, self._path.open("a", encoding="utf-8") as out:
             out.write(line + "\n")

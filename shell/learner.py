@@ -18,6 +18,7 @@ import attrs
 
 from gradientmail.adapters.base import Adapter, Backend, Tensors
 from gradientmail.clock import Clock
+from gradientmail.core import keys
 from gradientmail.core import learner as rules
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.codecs import Compression, compress
@@ -275,9 +276,9 @@ class Learner:
         if commit is None:
             return False
         if commit.fragment != k or commit.base_round != previous_round(self.algorithm, r):
-            raise ProtocolError(
-                f"commit of round {r} names fragment {commit.fragment}, base {commit.base_round}"
-            )
+            reason = f"commit names fragment {commit.fragment}, base {commit.base_round}"
+            self._on_event(Rejected(node=self.node, key=keys.commit(r), reason=reason))
+            return False
         tensors = await self._load(commit)
         if tensors is None:
             # Collected before we read it: we are far behind; jump to the newest commit.

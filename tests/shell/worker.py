@@ -99,7 +99,7 @@ class Trainer:
             self.optimizer.zero_grad()
             loss.backward()
             self.optimizer.step()
-            return float(loss)
+            return float(loss.detach())
         import mlx.core as mx
         import mlx.nn as nn
 
