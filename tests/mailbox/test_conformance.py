@@ -1,0 +1,65 @@
+"""Every mailbox passes the same conformance suite, 64 MiB objects included."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gradientmail.directory import DirectoryMailbox
+from gradientmail.memory import Faults, MemoryMailbox
+from gradientmail.objectstore import ObjectStoreMailbox
+from gradientmail.testing.mailbox import check_mailbox
+from obstore.store import LocalStore, MemoryStore
+
+LARGE = 64 * 2**20
+
+
+def test_memory_mailbox() -> None:
+    check_mailbox(MemoryMailbox().handle, large_size=LARGE)
+
+
+def test_memory_mailbox_with_delays() -> None:
+    # Delays interleave the racing threads differently without changing any outcome.
+    store = MemoryMailbox()
+    check_mailbox(lambda: store.handle(faults=Faults(seed=1, delay=(0.0, 0.002))), large_size=2**16)
+
+
+def test_named_memory_mailbox_handles_share_a_store() -> None:
+    check_mailbox(lambda: MemoryMailbox.named("conformance"), large_size=2**16)
+
+
+def test_directory_mailbox(tmp_path: Path) -> None:
+    check_mailbox(lambda: DirectoryMailbox(tmp_path / "mailbox"), large_size=LARGE)
+
+
+def test_object_store_mailbox_on_memory_store() -> None:
+    store = MemoryStore()
+    check_mailbox(lambda: ObjectStoreMailbox(store), large_size=LARGE)
+
+
+def test_object_store_mailbox_on_local_store(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, mkdir=True)
+    check_mailbox(lambda: ObjectStoreMailbox(store), large_size=LARGE)
+
+
+@pytest.mark.s3
+def test_object_store_mailbox_on_moto_server(moto_url: str) -> None:
+    # moto moves about 10 MB/s through Python; the 64 MiB run is the slow variant below.
+    check_mailbox(lambda: ObjectStoreMailbox(moto_url), large_size=8 * 2**20)
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_object_store_mailbox_on_moto_server_with_64_mib_objects(moto_url: str) -> None:
+    check_mailbox(lambda: ObjectStoreMailbox(moto_url), large_size=LARGE)
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_many_racers_on_moto_server(moto_url: str) -> None:
+    check_mailbox(lambda: ObjectStoreMailbox(moto_url), large_size=2**20, racers=64)
+
+
+@pytest.mark.slow
+def test_many_racers_on_directory(tmp_path: Path) -> None:
+    check_mailbox(lambda: DirectoryMailbox(tmp_path), large_size=256 * 2**20, racers=64)
