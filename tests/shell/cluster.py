@@ -61,6 +61,12 @@ class Cluster:
     def log(self, node: str) -> str:
         return (self.tmp / f"{node}.log").read_text(errors="replace")[-4000:]
 
+    def kill(self, node: str) -> None:
+        """SIGKILL ``node``: no cleanup, no lease release, whatever it was writing."""
+        proc = self.procs.pop(node)
+        proc.kill()
+        proc.wait()
+
     def kill_all(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from pathlib import Path
 
@@ -12,7 +14,10 @@ pytest.importorskip("torch")
 import worker  # noqa: E402
 from cluster import Cluster  # noqa: E402
 
-from gradientmail import mailbox_from_url  # noqa: E402
+from gradientmail import MonotonicClock, mailbox_from_url  # noqa: E402
+from gradientmail.core import keys  # noqa: E402
+from gradientmail.core.records import Commit  # noqa: E402
+from gradientmail.exchange import Exchange  # noqa: E402
 from gradientmail.adapters import TorchBackend  # noqa: E402
 from gradientmail.testing.audit import audit  # noqa: E402
 
@@ -32,6 +37,20 @@ def aligned(url: str, framework: str = "torch") -> tuple[int, str, float]:
     rounds = align(trainer.model, mailbox=mailbox_from_url(url))
     x, y = worker.data(999, 512)
     return rounds, worker.params_digest(trainer.model, framework), trainer.evaluate(x, y)
+
+
+def commits(url: str) -> list[Commit]:
+    async def read() -> list[Commit]:
+        exchange = Exchange(mailbox_from_url(url), MonotonicClock())
+        found = []
+        for key in await exchange.list_keys("rounds/"):
+            if key.endswith("/commit"):
+                commit = await exchange.commit(keys.parse(key).round or 0)
+                assert commit is not None
+                found.append(commit)
+        return found
+
+    return asyncio.run(read())
 
 
 def check_run(cluster: Cluster, results: dict[str, dict], url: str) -> None:
@@ -63,3 +82,91 @@ def test_through_s3_on_moto(tmp_path: Path, cluster_factory: type[Cluster], s3_u
         cluster.start(f"node-{i}", i, steps=120)
     results = cluster.wait()
     check_run(cluster, results, url)
+
+
+def test_mixed_torch_and_mlx_nodes(tmp_path: Path, cluster_factory: type[Cluster]) -> None:
+    pytest.importorskip("mlx.core")
+    url = f"file://{tmp_path / 'run'}"
+    cluster = cluster_factory(url, tmp_path, ALGORITHM)
+    cluster.start("torch-0", 0, steps=120)
+    cluster.start("torch-1", 1, steps=120)
+    cluster.start("mlx-0", 2, steps=120, framework="mlx")
+    results = cluster.wait()
+    audit(mailbox_from_url(url), backend=TorchBackend(), tolerance=1e-6)
+    rounds_torch, digest_torch, loss_torch = aligned(url, "torch")
+    rounds_mlx, digest_mlx, loss_mlx = aligned(url, "mlx")
+    assert rounds_torch == rounds_mlx
+    assert digest_torch == digest_mlx, "torch and MLX must load the same final parameters"
+    assert loss_torch == pytest.approx(loss_mlx, rel=1e-4)
+    assert loss_torch < 0.25 * initial_loss()
+    included = {i.node for c in commits(url) for i in c.included}
+    assert included == set(results), "every framework's deltas went into commits"
+
+
+def claims_without_commit(url: str, node: str) -> list[int]:
+    """Rounds where ``node`` holds a claim and no commit exists yet."""
+
+    async def read() -> list[int]:
+        exchange = Exchange(mailbox_from_url(url), MonotonicClock())
+        found = []
+        for key in await exchange.list_keys("rounds/"):
+            parsed = keys.parse(key)
+            if parsed.kind != "claim" or parsed.round is None:
+                continue
+            claims = await exchange.claims(parsed.round)
+            if any(c.node == node for c in claims) and await exchange.commit(parsed.round) is None:
+                found.append(parsed.round)
+        return found
+
+    return asyncio.run(read())
+
+
+def test_closer_killed_between_claim_and_commit(
+    tmp_path: Path, cluster_factory: type[Cluster]
+) -> None:
+    url = f"file://{tmp_path / 'run'}"
+    cluster = cluster_factory(url, tmp_path, ALGORITHM)
+    for i in range(3):
+        cluster.start(f"node-{i}", i, steps=200)
+    cluster.start("victim", 3, steps=200, slow_commit=60)
+    deadline = time.monotonic() + 180
+    while not (stuck := claims_without_commit(url, "victim")):
+        assert time.monotonic() < deadline, "the victim never claimed a round"
+        time.sleep(0.05)
+    cluster.kill("victim")
+    results = cluster.wait()
+    report = audit(mailbox_from_url(url), backend=TorchBackend())
+    taken_over = [c for c in commits(url) if c.round == stuck[0]]
+    assert taken_over and taken_over[0].attempt >= 1 and taken_over[0].closer != "victim"
+    assert any(
+        e["event"] == "TookOver" and e["round"] == stuck[0]
+        for node in results
+        for e in cluster.events(node)
+    )
+    assert report.commits >= 10
+    assert aligned(url)[2] < 0.25 * initial_loss()
+
+
+def test_late_joiner_and_full_restart(tmp_path: Path, cluster_factory: type[Cluster]) -> None:
+    url = f"file://{tmp_path / 'run'}"
+    first = cluster_factory(url, tmp_path, ALGORITHM)
+    first.start("node-0", 0, steps=240, step_time=0.02)
+    first.start("node-1", 1, steps=240, step_time=0.02)
+    deadline = time.monotonic() + 180
+    while len(commits(url)) < 4:
+        assert time.monotonic() < deadline, "no commits"
+        time.sleep(0.1)
+    first.start("late", 2, steps=80)
+    results = first.wait()
+    assert results["late"]["joined_rounds_seen"] >= 3, "a late joiner starts from the newest commit"
+    before = max(c.round for c in commits(url))
+    # Everyone stopped; a new generation resumes from the mailbox with nothing lost.
+    second = cluster_factory(url, tmp_path / "second", ALGORITHM)
+    (tmp_path / "second").mkdir()
+    second.start("node-0", 0, steps=60)
+    second.start("node-1", 1, steps=60)
+    again = second.wait()
+    assert all(r["joined_rounds_seen"] == before for r in again.values())
+    report = audit(mailbox_from_url(url), backend=TorchBackend())
+    assert max(report.rounds) > before
+    assert set(range(max(report.rounds) + 1)) == set(report.rounds), "no committed round lost"
