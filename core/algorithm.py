@@ -51,6 +51,11 @@ def _real_in(low: float, high: float, *, low_open: bool = False, high_open: bool
     return check
 
 
+def _boolean(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{attribute.name} must be True or False, got {value!r}")
+
+
 def _quantization(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value is not None and value not in QUANTIZED:
         raise ValueError(f"quantization must be None, 'F8_E4M3' or 'F4', got {value!r}")
@@ -92,7 +97,7 @@ class DiLoCo:
     fragments: int = attrs.field(default=1, validator=_int_at_least(1))
     outer_lr: float = attrs.field(default=0.7, validator=_real_in(0, 10, low_open=True))
     outer_momentum: float = attrs.field(default=0.9, validator=_real_in(0, 1, high_open=True))
-    nesterov: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    nesterov: bool = attrs.field(default=True, validator=_boolean)
     quorum_size: int = attrs.field(default=1, validator=_int_at_least(1))
     grace: float = attrs.field(default=30.0, validator=_real_in(0, 86_400))
     overlap_steps: int | None = attrs.field(default=0, validator=_optional(_int_at_least(0)))

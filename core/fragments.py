@@ -22,7 +22,7 @@ Partition = tuple[tuple[str, ...], ...]
 def layer_of(name: str) -> int | None:
     """The first numeric segment of a dotted parameter name, or None."""
     for segment in name.split("."):
-        if segment.isdigit():
+        if segment.isascii() and segment.isdigit():
             return int(segment)
     return None
 

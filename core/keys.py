@@ -59,8 +59,14 @@ def _round(r: int) -> str:
     return f"{r:020d}"
 
 
+def _fragment(fragment: int) -> str:
+    if not isinstance(fragment, int) or not 0 <= fragment <= MAX_FRAGMENT:
+        raise ValueError(f"fragment {fragment!r} outside 0..{MAX_FRAGMENT}")
+    return f"{fragment:04d}"
+
+
 def init(fragment: int, nonce: str) -> str:
-    return f"init/{fragment:04d}-{check_nonce(nonce)}"
+    return f"init/{_fragment(fragment)}-{check_nonce(nonce)}"
 
 
 def lease(node: str) -> str:
@@ -68,7 +74,7 @@ def lease(node: str) -> str:
 
 
 def head(fragment: int) -> str:
-    return f"heads/{fragment:04d}"
+    return f"heads/{_fragment(fragment)}"
 
 
 def round_prefix(r: int) -> str:
@@ -120,14 +126,14 @@ class ParsedKey:
 
 _PATTERNS: tuple[tuple[Kind, re.Pattern[str]], ...] = (
     ("manifest", re.compile(r"manifest")),
-    ("init", re.compile(r"init/(?P<fragment>\d{4})-(?P<nonce>[0-9a-f]{16})")),
+    ("init", re.compile(r"init/(?P<fragment>[0-9]{4})-(?P<nonce>[0-9a-f]{16})")),
     ("lease", re.compile(r"leases/(?P<node>[a-z0-9-]{1,64})")),
-    ("head", re.compile(r"heads/(?P<fragment>\d{4})")),
-    ("snapshot", re.compile(r"rounds/(?P<round>\d{20})/snapshots/(?P<node>[a-z0-9-]{1,64})")),
-    ("claim", re.compile(r"rounds/(?P<round>\d{20})/claims/(?P<attempt>\d{4})")),
-    ("params", re.compile(r"rounds/(?P<round>\d{20})/params-(?P<nonce>[0-9a-f]{16})")),
-    ("state", re.compile(r"rounds/(?P<round>\d{20})/state-(?P<nonce>[0-9a-f]{16})")),
-    ("commit", re.compile(r"rounds/(?P<round>\d{20})/commit")),
+    ("head", re.compile(r"heads/(?P<fragment>[0-9]{4})")),
+    ("snapshot", re.compile(r"rounds/(?P<round>[0-9]{20})/snapshots/(?P<node>[a-z0-9-]{1,64})")),
+    ("claim", re.compile(r"rounds/(?P<round>[0-9]{20})/claims/(?P<attempt>[0-9]{4})")),
+    ("params", re.compile(r"rounds/(?P<round>[0-9]{20})/params-(?P<nonce>[0-9a-f]{16})")),
+    ("state", re.compile(r"rounds/(?P<round>[0-9]{20})/state-(?P<nonce>[0-9a-f]{16})")),
+    ("commit", re.compile(r"rounds/(?P<round>[0-9]{20})/commit")),
 )
 
 

@@ -139,8 +139,8 @@ def slot_end(algorithm: DiLoCo, slot: int) -> int:
 
 def step(state: LearnerState, algorithm: DiLoCo, samples: int) -> tuple[LearnerState, list[Effect]]:
     """One inner step of ``samples`` tokens has been taken."""
-    if samples < 0:
-        raise ValueError(f"samples must be >= 0, got {samples}")
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 0:
+        raise ValueError(f"samples must be an integer >= 0 (tokens), got {samples!r}")
     if state.closing:
         raise ProtocolError("step() after close()")
     fragments = tuple(
@@ -178,13 +178,15 @@ def waiting_on(state: LearnerState, algorithm: DiLoCo) -> Blocked | None:
 def on_commit(
     state: LearnerState, algorithm: DiLoCo, *, round: int, included: bool
 ) -> tuple[LearnerState, list[Effect]]:
-    """The commit of ``round`` is ready to merge; ``included`` says whether it counted this
-    node's snapshot of that round. Older or already merged commits change nothing."""
+    """The commit of ``round`` is ready to merge. ``included`` says whether this node's
+    snapshot in flight was counted by it, or by a commit between it and this one that the node
+    skipped (it jumped ahead because older parameters were collected). Older or already merged
+    commits change nothing."""
     k = round % algorithm.fragments
     f = state.fragments[k]
     if round <= f.merged:
         return state, []
-    mine = f.outstanding == round and included
+    mine = f.outstanding is not None and f.outstanding <= round and included
     effects: list[Effect] = [
         Merge(
             fragment=k,

@@ -62,6 +62,18 @@ def _round(instance: object, attribute: attrs.Attribute[Any], value: object) -> 
         raise ValueError(f"{attribute.name} must be a round in -1..{keys.MAX_ROUND}, got {value!r}")
 
 
+def _attempt(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    _count(instance, attribute, value)
+    if value > keys.MAX_ATTEMPT:  # type: ignore[operator]
+        raise ValueError(f"{attribute.name} must be at most {keys.MAX_ATTEMPT}, got {value!r}")
+
+
+def _fragment(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    _count(instance, attribute, value)
+    if value > keys.MAX_FRAGMENT:  # type: ignore[operator]
+        raise ValueError(f"{attribute.name} must be at most {keys.MAX_FRAGMENT}, got {value!r}")
+
+
 def _node(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     keys.check_node(value)  # type: ignore[arg-type]
 
@@ -120,6 +132,10 @@ class Manifest:
             )
         if len(self.init) != len(self.fragments):
             raise ValueError("manifest: one init payload per fragment is required")
+        for k, ref in enumerate(self.init):
+            parsed = keys.parse(ref.key)
+            if parsed.kind != "init" or parsed.fragment != k:
+                raise ValueError(f"manifest: init payload {k} is at {ref.key!r}")
 
     @property
     def schema_digest(self) -> str:
@@ -238,7 +254,11 @@ class Claim:
     node: str = attrs.field(validator=_node)
     nonce: str = attrs.field(validator=_nonce)
     round: int = attrs.field(validator=_round)
-    attempt: int = attrs.field(validator=_count)
+    attempt: int = attrs.field(validator=_attempt)
+
+    def __attrs_post_init__(self) -> None:
+        if self.round < 0:
+            raise ValueError(f"a claim needs a round >= 0, got {self.round}")
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -296,10 +316,10 @@ class Commit:
 
     KIND: ClassVar[str] = "commit"
     round: int = attrs.field(validator=_round)
-    fragment: int = attrs.field(validator=_count)
+    fragment: int = attrs.field(validator=_fragment)
     base_round: int = attrs.field(validator=_round)
     closer: str = attrs.field(validator=_node)
-    attempt: int = attrs.field(validator=_count)
+    attempt: int = attrs.field(validator=_attempt)
     nonce: str = attrs.field(validator=_nonce)
     included: tuple[Included, ...]
     params: PayloadRef
@@ -313,6 +333,10 @@ class Commit:
             raise ValueError(f"commit of round {self.round}: included nodes must be sorted, unique")
         if self.base_round >= self.round:
             raise ValueError(f"commit of round {self.round} cannot have base {self.base_round}")
+        for kind, ref in (("params", self.params), ("state", self.state)):
+            parsed = keys.parse(ref.key)
+            if parsed.kind != kind or parsed.round != self.round:
+                raise ValueError(f"commit of round {self.round}: {kind} at {ref.key!r}")
 
     @property
     def samples(self) -> int:
@@ -375,11 +399,12 @@ def read_record(data: bytes, kind: type[R], *, key: str | None = None) -> R:
     """
     try:
         value = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, digits
         raise FormatError(f"record is not JSON ({exc})", key=key) from None
     if not isinstance(value, dict):
         raise FormatError("record must be a JSON object", key=key)
-    if value.get("format") != FORMAT:
+    version = value.get("format")
+    if type(version) is not int or version != FORMAT:
         raise FormatError(f"record format {value.get('format')!r} is not {FORMAT}", key=key)
     expected = getattr(kind, "KIND", None)
     if value.get("kind") != expected:

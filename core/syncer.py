@@ -113,13 +113,21 @@ def designated(
     ordered = sorted(reporters)
     if not ordered:
         return ()
-    start = (rotation_seed(r) + attempt) % len(ordered)
+    start = rotation_seed(r) % len(ordered)
     rotated = ordered[start:] + ordered[:start]
     live = leases.live(now=now, lease_timeout=timeout)
     left = leases.left()
     staying = [n for n in rotated if n in live and n not in left]
     leaving = [n for n in rotated if n in live and n in left]
-    return tuple(staying + leaving)
+    # Attempt a is led by the a-th live node of the rotation (Decision 2).
+    return tuple(_rotate(staying, attempt) + _rotate(leaving, attempt))
+
+
+def _rotate(nodes: list[str], by: int) -> list[str]:
+    if not nodes:
+        return nodes
+    shift = by % len(nodes)
+    return nodes[shift:] + nodes[:shift]
 
 
 def decide(
@@ -134,6 +142,8 @@ def decide(
     takeover: float,
 ) -> tuple[RoundWatch, Decision]:
     """What ``me`` should do about round ``view.round`` now."""
+    if watch.round != view.round:
+        raise ValueError(f"watch of round {watch.round} used for round {view.round}")
     if view.committed:
         return watch, Done(reason=f"round {view.round} is committed")
     watch, closable = _closable(view, watch, leases, algorithm, now, lease_timeout)
@@ -190,7 +200,8 @@ def _closable(
             )
         if watch.quorum_since is None:
             watch = attrs.evolve(watch, quorum_since=now)
-        deadline = (watch.quorum_since or now) + algorithm.grace
+        assert watch.quorum_since is not None
+        deadline = watch.quorum_since + algorithm.grace
         if now < deadline:
             return watch, Wait(
                 until=deadline,
@@ -216,7 +227,10 @@ def _open_attempt(
     seen = watch.seen(last.attempt)
     seen = now if seen is None else seen
     if leases.expired(last.node, now=now, lease_timeout=lease_timeout):
-        return last.attempt + 1, now
+        # A fixed opening time, so the fallback candidates' turns (i * takeover later) arrive.
+        observed = leases.by_node.get(last.node)
+        expired_at = observed.changed_at + lease_timeout if observed is not None else seen
+        return last.attempt + 1, max(seen, expired_at)
     deadline = seen + takeover * 2**last.attempt
     if now >= deadline:
         return last.attempt + 1, deadline
@@ -259,5 +273,7 @@ def collectable(algorithm: DiLoCo, committed: int, *, keep: int = 2) -> int | No
     """After round ``committed`` commits, the fragment's round whose payloads, snapshots and
     claims may be deleted (its commit record stays forever), or None. ``keep`` rounds of the
     fragment stay readable, so a reader ``keep - 1`` rounds behind still finds its params."""
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1 round, got {keep}")
     old = committed - keep * algorithm.fragments
     return old if old >= 0 else None

@@ -80,7 +80,9 @@ class Learner:
         # The handoff, guarded by one lock.
         self._lock = threading.Condition()
         self._jobs: deque[_Job] = deque()
-        self._ready: deque[tuple[Commit, Tensors]] = deque()
+        # Commits to merge, with every (node, nonce) they and any commit skipped to reach them
+        # counted: a node that jumps ahead must know whether its snapshot was counted.
+        self._ready: deque[tuple[Commit, Tensors, frozenset[tuple[str, str]]]] = deque()
         self._drop_residual: set[int] = set()
         self._failure: BaseException | None = None
         self._stopping = False
@@ -136,9 +138,13 @@ class Learner:
             with self._lock:
                 if not self._ready:
                     return
-                commit, tensors = self._ready.popleft()
-            nonce = self._nonces.pop(commit.round, None)
-            included = nonce is not None and commit.includes(self.node, nonce)
+                commit, tensors, counted = self._ready.popleft()
+            k = commit.round % self.algorithm.fragments
+            outstanding = self._state.fragments[k].outstanding
+            nonce = self._nonces.get(outstanding) if outstanding is not None else None
+            included = nonce is not None and (self.node, nonce) in counted
+            if outstanding is not None and outstanding <= commit.round:
+                self._nonces.pop(outstanding, None)
             self._state, effects = rules.on_commit(
                 self._state, self.algorithm, round=commit.round, included=included
             )
@@ -279,19 +285,24 @@ class Learner:
             reason = f"commit names fragment {commit.fragment}, base {commit.base_round}"
             self._on_event(Rejected(node=self.node, key=keys.commit(r), reason=reason))
             return False
+        counted = frozenset((i.node, i.nonce) for i in commit.included)
         tensors = await self._load(commit)
         if tensors is None:
-            # Collected before we read it: we are far behind; jump to the newest commit.
+            # Collected before we read it: we are far behind. Jump to the newest commit,
+            # remembering what this one counted (commit records are never deleted).
             newest = await newest_commit(self._exchange, self._manifest, k)
             if newest is None or newest.round <= r:
                 raise ProtocolError(f"params of round {r} are gone and no newer commit exists")
-            self._next_poll[k] = newest.round
-            return True
+            tensors = await self._load(newest)
+            if tensors is None:
+                return False  # collected again: try from the hint at the next poll
+            counted |= frozenset((i.node, i.nonce) for i in newest.included)
+            commit = newest
         self._ledger.committed(commit)
         with self._lock:
-            self._ready.append((commit, tensors))
+            self._ready.append((commit, tensors, counted))
             self._lock.notify_all()
-        self._next_poll[k] = r + self.algorithm.fragments
+        self._next_poll[k] = commit.round + self.algorithm.fragments
         return True
 
     async def _load(self, commit: Commit) -> Tensors | None:

@@ -105,11 +105,6 @@ def test_bad_values_raise_value_error_naming_field_and_range(
     assert allowed in str(info.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="nesterov is checked with attrs.validators.instance_of, which raises TypeError (and "
-    "names no allowed values) where every other field raises ValueError",
-)
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_bad_nesterov_raises_value_error_like_every_other_field(value: Any) -> None:
     with pytest.raises(ValueError, match="nesterov"):

@@ -184,11 +184,6 @@ def test_check_refuses_a_partition_that_does_not_split_the_schema(
         fragments.check(schema("a", "b", "c"), groups)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="layer_of tests segments with str.isdigit, which is true for '²' that int() refuses, "
-    "so a legal parameter name crashes partition with int()'s ValueError",
-)
 def test_a_superscript_digit_segment_is_not_a_layer() -> None:
     s = schema("h.\u00b2.w")
     assert partition(s, 1) == (("h.\u00b2.w",),)

@@ -198,11 +198,6 @@ def test_a_mutated_key_is_refused_or_parses_to_exactly_itself(
         assert build(parsed) == mutated
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="keys.parse uses \\d, which matches any Unicode decimal digit, so a foreign key with "
-    "Arabic-Indic digits parses as round 0 and does not build back to itself",
-)
 @pytest.mark.parametrize(
     "key",
     [
@@ -271,11 +266,6 @@ def test_attempts_outside_four_digits_raise_value_error(attempt: int) -> None:
         keys.claim(0, attempt)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="keys.init and keys.head do not check the fragment: -1 gives 'heads/-001' and 10000 "
-    "gives five digits, keys that parse() then refuses (MAX_FRAGMENT is defined but unused)",
-)
 @pytest.mark.parametrize("fragment", [-1, keys.MAX_FRAGMENT + 1])
 def test_fragments_outside_four_digits_raise_value_error(fragment: int) -> None:
     with pytest.raises(ValueError, match="fragment"):
