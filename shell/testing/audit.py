@@ -45,6 +45,9 @@ class AuditReport:
     snapshots: int
     recomputed: int
     samples: int
+    foreign: tuple[str, ...] = ()
+    """Keys under ``rounds/`` that no node of ours writes (garbage is not a violation, but
+    worth a look)."""
 
 
 def audit(mailbox: Mailbox, *, backend: Backend | None = None, tolerance: float = 0.0) -> AuditReport:
@@ -61,11 +64,12 @@ async def audit_async(
         raise AuditError(["no manifest: the mailbox holds no run"])
     violations: list[str] = []
     by_round: dict[int, list[str]] = defaultdict(list)
+    foreign: list[str] = []
     for key in await exchange.list_keys(keys.ROUNDS):
         try:
             parsed = keys.parse(key)
         except FormatError:
-            violations.append(f"{key}: not a key of ours under rounds/")
+            foreign.append(key)
             continue
         assert parsed.round is not None
         by_round[parsed.round].append(key)
@@ -106,6 +110,7 @@ async def audit_async(
         snapshots=snapshots,
         recomputed=recomputed,
         samples=sum(c.samples for c in commits.values()),
+        foreign=tuple(foreign),
     )
 
 

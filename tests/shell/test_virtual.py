@@ -7,75 +7,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from virtual_run import committed_rounds, run_nodes  # noqa: E402
+
 from gradientmail import DiLoCo  # noqa: E402
-from gradientmail.events import Committed, Event, Merged  # noqa: E402
-from gradientmail.memory import MemoryMailbox  # noqa: E402
-from gradientmail.session import Node  # noqa: E402
 from gradientmail.adapters.torch import TorchBackend  # noqa: E402
+from gradientmail.events import Merged  # noqa: E402
 from gradientmail.testing.audit import audit  # noqa: E402
-from gradientmail.testing.virtual import Scheduler, VirtualClock  # noqa: E402
-
-
-def make_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-
-
-def run_nodes(
-    algorithm: DiLoCo, *, nodes: int = 3, steps: int = 40, seed: int = 0
-) -> tuple[MemoryMailbox, list[Event], list[torch.nn.Module], Scheduler]:
-    clock = VirtualClock()
-    scheduler = Scheduler(clock, seed=seed)
-    mailbox = MemoryMailbox(f"memory://virtual-{seed}-{id(clock)}", clock=clock)
-    events: list[Event] = []
-    models = [make_model() for _ in range(nodes)]
-    target = torch.randn(4, 1)
-
-    async def main(i: int) -> None:
-        model = models[i]
-        node = Node(
-            model,
-            algorithm=algorithm,
-            mailbox=mailbox,
-            clock=clock,
-            learner_id=f"node-{i}",
-            poll_interval=0.5,
-            lease_every=2.0,
-            lease_timeout=5.0,
-            on_event=events.append,
-            keep_rounds=None,
-        )
-        await clock.sleep(0.1 * i)
-        await node.join()
-        assert node.learner is not None and node.syncer is not None
-        scheduler.spawn(f"learner-{i}", node.learner.run())
-        scheduler.spawn(f"syncer-{i}", node.syncer.run())
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        generator = torch.Generator().manual_seed(100 + i)
-        for _ in range(steps):
-            await clock.sleep(0.2 + 0.05 * i)
-            x = torch.randn(16, 4, generator=generator)
-            loss = ((model(x) - x @ target) ** 2).mean()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            node.learner.advance(16)
-            while node.learner.blocked() is not None:
-                await clock.sleep(0.1)
-        node.begin_close()
-        while not node.learner.done:
-            await clock.sleep(0.1)
-        node.finish()
-
-    for i in range(nodes):
-        scheduler.spawn(f"node-{i}", main(i))
-    scheduler.run(until=10_000)
-    assert scheduler.errors == []
-    return mailbox, events, models, scheduler
-
-
-def committed_rounds(events: list[Event]) -> list[int]:
-    return sorted(e.round for e in events if isinstance(e, Committed))
 
 
 @pytest.mark.parametrize(
