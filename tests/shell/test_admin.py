@@ -1,0 +1,59 @@
+"""status and gc on a finished run."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("torch")
+
+from virtual_run import committed_rounds, make_model, run_nodes  # noqa: E402
+
+from gradientmail import DiLoCo, ProtocolError, align  # noqa: E402
+from gradientmail.admin import collect, status  # noqa: E402
+from gradientmail.core import keys  # noqa: E402
+from gradientmail.memory import MemoryMailbox  # noqa: E402
+from gradientmail.testing.audit import audit  # noqa: E402
+
+ALGORITHM = DiLoCo(inner_steps=10, fragments=2, overlap_steps=1, grace=5.0)
+
+
+def test_status_reports_fragments_nodes_and_bytes() -> None:
+    mailbox, events, _, _ = run_nodes(ALGORITHM)
+    rounds = committed_rounds(events)
+    report = asyncio.run(status(mailbox))
+    assert report["manifest"]["parameters"] == 4
+    assert report["manifest"]["algorithm"]["inner_steps"] == 10
+    newest = [f["newest_round"] for f in report["fragments"]]
+    assert max(newest) == max(rounds) and {r % 2 for r in newest} == {0, 1}
+    assert {n["node"] for n in report["nodes"]} == {"node-0", "node-1", "node-2"}
+    assert all(n["state"] == "released" for n in report["nodes"])
+    assert report["bytes_stored"] > 0 and report["objects"] > len(rounds)
+
+
+def test_gc_keeps_what_the_run_needs_and_align_still_works() -> None:
+    mailbox, events, _, _ = run_nodes(ALGORITHM)
+    rounds = committed_rounds(events)
+    reference = make_model(seed=4)
+    align(reference, mailbox=mailbox)
+    before = asyncio.run(mailbox.list(""))
+    dry = asyncio.run(collect(mailbox, keep=1, dry_run=True))
+    assert asyncio.run(mailbox.list("")) == before, "a dry run deletes nothing"
+    done = asyncio.run(collect(mailbox, keep=1))
+    assert done["deleted"] == dry["deleted"] and done["bytes_freed"] > 0
+    remaining = {info.key for info in asyncio.run(mailbox.list(""))}
+    assert all(keys.commit(r) in remaining for r in rounds), "commit records are never deleted"
+    assert keys.MANIFEST in remaining
+    report = audit(mailbox)
+    assert report.rounds == tuple(rounds)
+    fresh = make_model(seed=5)
+    assert align(fresh, mailbox=mailbox) == max(rounds)
+    assert [p.tolist() for p in fresh.parameters()] == [
+        p.tolist() for p in reference.parameters()
+    ], "gc removed nothing that align needs"
+
+
+def test_status_of_an_empty_mailbox_is_a_clear_error() -> None:
+    with pytest.raises(ProtocolError, match="holds no run"):
+        asyncio.run(status(MemoryMailbox()))
