@@ -18,7 +18,6 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
-
 from gradientmail import DiLoCo, Session, mailbox_from_url
 from gradientmail.demo.config import GPTConfig
 from gradientmail.demo.corpus import batches, load_corpus
@@ -57,8 +56,15 @@ def main() -> None:
 
     def with_session(model: torch.nn.Module) -> AbstractContextManager[Any]:
         mailbox = mailbox_from_url(tempfile.mkdtemp(prefix="gm-overhead-"))
-        return Session(model, algorithm=algorithm, mailbox=mailbox, poll_interval=0.2,
-                       lease_every=5.0, lease_timeout=15.0, callbacks=())
+        return Session(
+            model,
+            algorithm=algorithm,
+            mailbox=mailbox,
+            poll_interval=0.2,
+            lease_every=5.0,
+            lease_timeout=15.0,
+            callbacks=(),
+        )
 
     plain, session = [], []
     for _ in range(args.repeats):
@@ -68,8 +74,10 @@ def main() -> None:
     print(f"| loop | steps/s (median of {args.repeats}) | runs |")
     print("|---|---:|---|")
     print(f"| plain | {p:.2f} | {', '.join(f'{v:.2f}' for v in plain)} |")
-    print(f"| with Session (H={args.inner_steps}, K={args.fragments}) | {s:.2f} | "
-          f"{', '.join(f'{v:.2f}' for v in session)} |")
+    print(
+        f"| with Session (H={args.inner_steps}, K={args.fragments}) | {s:.2f} | "
+        f"{', '.join(f'{v:.2f}' for v in session)} |"
+    )
     print(f"\nSession cost: {100 * (1 - s / p):.2f}% of throughput (target < 2%)")
 
 

@@ -12,7 +12,6 @@ import math
 from typing import Any
 
 import attrs
-
 from gradientmail.core.errors import ConfigMismatch, FormatError
 from gradientmail.core.tensors import QUANTIZED, Quantized
 
@@ -162,6 +161,8 @@ class DiLoCo:
     def require_same(self, run: DiLoCo) -> None:
         """Raise ``ConfigMismatch`` naming every field where this node differs from the run."""
         theirs, ours = run.to_json(), self.to_json()
-        differing = [(name, theirs[name], ours[name]) for name in ours if theirs[name] != ours[name]]
+        differing = [
+            (name, theirs[name], ours[name]) for name in ours if theirs[name] != ours[name]
+        ]
         if differing:
             raise ConfigMismatch(differing)

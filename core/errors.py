@@ -26,8 +26,9 @@ class ConfigMismatch(ProtocolError):
 
     def __init__(self, fields: Iterable[tuple[str, object, object]]) -> None:
         self.fields = tuple(fields)
-        detail = "; ".join(f"{name}: run has {theirs!r}, this node {ours!r}"
-                           for name, theirs, ours in self.fields)
+        detail = "; ".join(
+            f"{name}: run has {theirs!r}, this node {ours!r}" for name, theirs, ours in self.fields
+        )
         super().__init__(f"algorithm differs from the run's: {detail}")
 
 

@@ -23,7 +23,6 @@ import re
 from typing import Literal
 
 import attrs
-
 from gradientmail.core.errors import FormatError
 
 MANIFEST = "manifest"

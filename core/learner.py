@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import Literal
 
 import attrs
-
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.errors import ProtocolError
 
@@ -162,16 +161,17 @@ def waiting_on(state: LearnerState, algorithm: DiLoCo) -> Blocked | None:
     if bound is None:
         return None
     for k, f in enumerate(state.fragments):
-        if f.outstanding is not None and f.published_at is not None:
-            if state.step - f.published_at >= bound:
-                return Blocked(
-                    fragment=k,
-                    round=f.outstanding,
-                    reason=(
-                        f"round {f.outstanding} published at step {f.published_at} is not "
-                        f"committed and overlap_steps={bound}"
-                    ),
-                )
+        if f.outstanding is None or f.published_at is None:
+            continue
+        if state.step - f.published_at >= bound:
+            return Blocked(
+                fragment=k,
+                round=f.outstanding,
+                reason=(
+                    f"round {f.outstanding} published at step {f.published_at} is not "
+                    f"committed and overlap_steps={bound}"
+                ),
+            )
     return None
 
 
@@ -203,7 +203,11 @@ def on_commit(
             f, samples=f.samples + f.in_flight_samples, steps=f.steps + f.in_flight_steps
         )
     f = attrs.evolve(
-        f, merged=round, outstanding=None, published_at=None, in_flight_samples=0,
+        f,
+        merged=round,
+        outstanding=None,
+        published_at=None,
+        in_flight_samples=0,
         in_flight_steps=0,
     )
     state = _replace(state, k, f)

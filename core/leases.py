@@ -47,9 +47,7 @@ class Leases:
 
     def live(self, *, now: float, lease_timeout: float) -> frozenset[str]:
         """Nodes whose lease has not expired, whether or not they have left."""
-        return frozenset(
-            n for n, o in self.seen if now - o.changed_at < lease_timeout
-        )
+        return frozenset(n for n, o in self.seen if now - o.changed_at < lease_timeout)
 
     def active(self, *, now: float, lease_timeout: float) -> frozenset[str]:
         """Live nodes that have not left: the ones a round may wait for."""

@@ -13,11 +13,11 @@ from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 import attrs
-
 from gradientmail.core import keys
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.errors import FormatError
 from gradientmail.core.fragments import Partition
+from gradientmail.core.signing import SIGNATURE_FIELD, Keyring
 from gradientmail.core.tensors import Schema
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "Snapshot",
     "canonical",
     "read_record",
+    "to_bytes",
 ]
 
 FORMAT = 1
@@ -375,7 +376,9 @@ class Commit:
             },
         )
         return cls(
-            **{k: raw[k] for k in ("round", "fragment", "base_round", "closer", "attempt", "nonce")},
+            **{
+                k: raw[k] for k in ("round", "fragment", "base_round", "closer", "attempt", "nonce")
+            },
             included=tuple(Included.from_json(i) for i in raw["included"]),
             params=PayloadRef.from_json(raw["params"]),
             state=PayloadRef.from_json(raw["state"]),
@@ -386,16 +389,25 @@ Record = Manifest | Lease | Snapshot | Claim | Commit
 _KINDS: dict[str, Any] = {c.KIND: c for c in (Manifest, Lease, Snapshot, Claim, Commit)}
 
 
-def to_bytes(record: Record) -> bytes:
-    """The canonical JSON of ``record`` with its format version and kind."""
-    return canonical({"format": FORMAT, "kind": record.KIND, **record.to_json()})
+def to_bytes(record: Record, signer: Keyring | None = None) -> bytes:
+    """The canonical JSON of ``record`` with its format version and kind; with ``signer``
+    (a signed run), plus a ``signature`` field: the HMAC-SHA256 of the canonical JSON of
+    every other field (``signing`` module)."""
+    value: dict[str, Any] = {"format": FORMAT, "kind": record.KIND, **record.to_json()}
+    if signer is not None:
+        value[SIGNATURE_FIELD] = signer.sign(canonical(value))
+    return canonical(value)
 
 
-def read_record(data: bytes, kind: type[R], *, key: str | None = None) -> R:
+def read_record(
+    data: bytes, kind: type[R], *, key: str | None = None, verifier: Keyring | None = None
+) -> R:
     """Parse canonical JSON written by ``to_bytes`` as a record of ``kind``.
 
     Raises ``FormatError`` naming ``key`` for anything else: bad JSON, another format version,
-    another kind, missing or mistyped fields, or values the record's validation refuses.
+    another kind, missing or mistyped fields, or values the record's validation refuses. With
+    ``verifier`` (a signed run) the record must carry a signature by one of its secrets, else
+    ``FormatError`` says it is unsigned or badly signed; without one a signature is ignored.
     """
     try:
         value = json.loads(data)
@@ -409,6 +421,9 @@ def read_record(data: bytes, kind: type[R], *, key: str | None = None) -> R:
     expected = getattr(kind, "KIND", None)
     if value.get("kind") != expected:
         raise FormatError(f"expected a {expected} record, got {value.get('kind')!r}", key=key)
+    signature = value.pop(SIGNATURE_FIELD, None)
+    if verifier is not None:
+        _verify(value, signature, verifier, key)
     body = {k: v for k, v in value.items() if k not in ("format", "kind")}
     try:
         record: R = kind.from_json(body)  # type: ignore[attr-defined]
@@ -417,6 +432,21 @@ def read_record(data: bytes, kind: type[R], *, key: str | None = None) -> R:
     except (ValueError, TypeError, KeyError) as exc:
         raise FormatError(f"invalid {expected} record: {exc}", key=key) from None
     return record
+
+
+def _verify(value: dict[str, Any], signature: object, verifier: Keyring, key: str | None) -> None:
+    if signature is None:
+        raise FormatError("record is unsigned, but the run is signed", key=key)
+    try:
+        body = canonical(value)
+    except (ValueError, RecursionError):  # NaN, Infinity: never written by to_bytes
+        raise FormatError("record is not canonical JSON", key=key) from None
+    if not verifier.verify(body, signature):
+        raise FormatError(
+            "bad signature: not signed with this run's secret (forged, altered, or written "
+            "under a secret this node does not hold)",
+            key=key,
+        )
 
 
 def _fields(value: object, spec: dict[str, type]) -> dict[str, Any]:

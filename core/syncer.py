@@ -25,7 +25,6 @@ import hashlib
 from collections.abc import Sequence
 
 import attrs
-
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.leases import Leases
 from gradientmail.core.records import Claim, Included, Snapshot
@@ -186,9 +185,7 @@ def _closable(
     if not reporters:
         return watch, Wait(until=None, reason=f"round {view.round} has no snapshot yet")
     active = leases.active(now=now, lease_timeout=lease_timeout)
-    expected = active if view.previous_reporters is None else active & set(
-        view.previous_reporters
-    )
+    expected = active if view.previous_reporters is None else active & set(view.previous_reporters)
     if not expected <= reporters:
         if len(reporters) < algorithm.quorum_size:
             return watch, Wait(

@@ -32,7 +32,9 @@ async def _manifest(exchange: Exchange) -> Manifest:
     return manifest
 
 
-async def status(mailbox: Mailbox, *, watch: float = 0.0, clock: Clock | None = None) -> dict[str, Any]:
+async def status(
+    mailbox: Mailbox, *, watch: float = 0.0, clock: Clock | None = None
+) -> dict[str, Any]:
     """The run's state as plain data: manifest summary, each fragment's newest commit and the
     round open after it (with its reporters and claims), nodes and their leases, bytes stored.
 
@@ -143,7 +145,9 @@ async def collect(mailbox: Mailbox, *, keep: int = 2, dry_run: bool = False) -> 
         elif commit is not None:
             named = {commit.params.key, commit.state.key}
             doomed += [
-                key for key in found if keys.parse(key).kind in ("params", "state") and key not in named
+                key
+                for key in found
+                if keys.parse(key).kind in ("params", "state") and key not in named
             ]
     if not dry_run:
         for key in doomed:

@@ -14,7 +14,6 @@ import asyncio
 from collections import defaultdict
 
 import attrs
-
 from gradientmail.adapters.base import Backend
 from gradientmail.clock import MonotonicClock
 from gradientmail.core import keys
@@ -50,7 +49,9 @@ class AuditReport:
     worth a look)."""
 
 
-def audit(mailbox: Mailbox, *, backend: Backend | None = None, tolerance: float = 0.0) -> AuditReport:
+def audit(
+    mailbox: Mailbox, *, backend: Backend | None = None, tolerance: float = 0.0
+) -> AuditReport:
     """Check every invariant; raise ``AuditError`` listing all violations, else report."""
     return asyncio.run(audit_async(mailbox, backend=backend, tolerance=tolerance))
 

@@ -58,7 +58,9 @@ class Scheduler:
         self.tasks: list[_Task] = []
         self.steps = 0
 
-    def spawn(self, name: str, coroutine: Coroutine[Any, Any, Any], *, at: float | None = None) -> _Task:
+    def spawn(
+        self, name: str, coroutine: Coroutine[Any, Any, Any], *, at: float | None = None
+    ) -> _Task:
         task = _Task(name=name, coroutine=coroutine)
         self.tasks.append(task)
         self._push(task, self.clock.time if at is None else at)
@@ -100,7 +102,9 @@ class Scheduler:
                     "may be awaited under virtual time"
                 )
             self._push(task, request.until)
-        self.clock.time = max(self.clock.time, min(until, self._queue[0][0]) if self._queue else until)
+        self.clock.time = max(
+            self.clock.time, min(until, self._queue[0][0]) if self._queue else until
+        )
 
     @property
     def errors(self) -> list[tuple[str, BaseException]]:

@@ -24,13 +24,20 @@ class Cluster:
         args = [
             sys.executable,
             str(WORKER),
-            "--mailbox", self.url,
-            "--node", node,
-            "--index", str(index),
-            "--steps", str(steps),
-            "--algorithm", json.dumps(self.algorithm),
-            "--out", str(self.tmp / f"{node}.json"),
-            "--events", str(self.tmp / f"{node}.events"),
+            "--mailbox",
+            self.url,
+            "--node",
+            node,
+            "--index",
+            str(index),
+            "--steps",
+            str(steps),
+            "--algorithm",
+            json.dumps(self.algorithm),
+            "--out",
+            str(self.tmp / f"{node}.json"),
+            "--events",
+            str(self.tmp / f"{node}.events"),
         ]
         for name, value in options.items():
             args += [f"--{name.replace('_', '-')}", str(value)]

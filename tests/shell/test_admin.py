@@ -8,13 +8,12 @@ import pytest
 
 pytest.importorskip("torch")
 
-from virtual_run import committed_rounds, make_model, run_nodes  # noqa: E402
-
-from gradientmail import DiLoCo, ProtocolError, align  # noqa: E402
-from gradientmail.admin import collect, status  # noqa: E402
-from gradientmail.core import keys  # noqa: E402
-from gradientmail.memory import MemoryMailbox  # noqa: E402
-from gradientmail.testing.audit import audit  # noqa: E402
+from gradientmail import DiLoCo, ProtocolError, align
+from gradientmail.admin import collect, status
+from gradientmail.core import keys
+from gradientmail.memory import MemoryMailbox
+from gradientmail.testing.audit import audit
+from virtual_run import committed_rounds, make_model, run_nodes
 
 ALGORITHM = DiLoCo(inner_steps=10, fragments=2, overlap_steps=1, grace=5.0)
 

@@ -8,8 +8,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from virtual_run import committed_rounds, make_model, run_nodes  # noqa: E402
-
 from gradientmail import (  # noqa: E402
     ConfigMismatch,
     DiLoCo,
@@ -26,6 +24,7 @@ from gradientmail.core.records import Snapshot, to_bytes  # noqa: E402
 from gradientmail.events import Excluded, Rejected  # noqa: E402
 from gradientmail.memory import Faults, MemoryMailbox  # noqa: E402
 from gradientmail.testing.audit import audit  # noqa: E402
+from virtual_run import committed_rounds, make_model, run_nodes  # noqa: E402
 
 ALGORITHM = DiLoCo(inner_steps=10, fragments=2, overlap_steps=1, grace=5.0)
 QUICK = {"poll_interval": 0.05, "lease_every": 0.2, "lease_timeout": 1.0}
@@ -75,7 +74,12 @@ def test_bad_settings_are_refused_at_once(tmp_path: Path) -> None:
 async def plant_garbage(mailbox: MemoryMailbox) -> None:
     digest = "0" * 64
     forged = Snapshot(
-        node="eve", nonce="0123456789abcdef", round=1, base_round=-1, samples=10**6, steps=1,
+        node="eve",
+        nonce="0123456789abcdef",
+        round=1,
+        base_round=-1,
+        samples=10**6,
+        steps=1,
         digest=digest,
     )
     await mailbox.create(keys.snapshot(0, "mallory"), b"\x00garbage" * 100)

@@ -11,16 +11,15 @@ import pytest
 
 pytest.importorskip("torch")
 
-import worker  # noqa: E402
-from cluster import Cluster  # noqa: E402
-
-from gradientmail import MonotonicClock, mailbox_from_url  # noqa: E402
-from gradientmail.core import keys  # noqa: E402
-from gradientmail.core.records import Commit  # noqa: E402
-from gradientmail.exchange import Exchange  # noqa: E402
-from gradientmail.testing.s3 import with_prefix  # noqa: E402
-from gradientmail.adapters import TorchBackend  # noqa: E402
-from gradientmail.testing.audit import audit  # noqa: E402
+import worker
+from cluster import Cluster
+from gradientmail import MonotonicClock, mailbox_from_url
+from gradientmail.adapters import TorchBackend
+from gradientmail.core import keys
+from gradientmail.core.records import Commit
+from gradientmail.exchange import Exchange
+from gradientmail.testing.audit import audit
+from gradientmail.testing.s3 import with_prefix
 
 ALGORITHM = {"inner_steps": 20, "fragments": 2, "overlap_steps": 1, "grace": 3.0}
 

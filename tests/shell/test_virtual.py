@@ -7,12 +7,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from virtual_run import committed_rounds, run_nodes  # noqa: E402
-
 from gradientmail import DiLoCo  # noqa: E402
 from gradientmail.adapters.torch import TorchBackend  # noqa: E402
 from gradientmail.events import Merged  # noqa: E402
 from gradientmail.testing.audit import audit  # noqa: E402
+from virtual_run import committed_rounds, run_nodes  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -25,7 +24,7 @@ from gradientmail.testing.audit import audit  # noqa: E402
     ids=["diloco", "streaming", "alpha-unbounded"],
 )
 def test_three_nodes_complete_a_run_in_one_thread(algorithm: DiLoCo) -> None:
-    mailbox, events, models, scheduler = run_nodes(algorithm)
+    mailbox, events, _, _ = run_nodes(algorithm)
     rounds = committed_rounds(events)
     assert rounds == sorted(set(rounds)), "a round committed twice"
     assert len(rounds) >= 40 // algorithm.inner_steps * algorithm.fragments
