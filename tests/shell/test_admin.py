@@ -56,3 +56,26 @@ def test_gc_keeps_what_the_run_needs_and_align_still_works() -> None:
 def test_status_of_an_empty_mailbox_is_a_clear_error() -> None:
     with pytest.raises(ProtocolError, match="holds no run"):
         asyncio.run(status(MemoryMailbox()))
+
+
+def test_the_cli_reports_status_and_collects(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from gradientmail import Session, mailbox_from_url
+    from gradientmail.cli import main
+
+    url = f"file://{tmp_path / 'run'}"
+    quick = {"poll_interval": 0.05, "lease_every": 0.2, "lease_timeout": 1.0}
+    with Session(make_model(), algorithm=ALGORITHM, mailbox=mailbox_from_url(url), **quick) as s:
+        for _ in range(25):
+            s.step(samples=4)
+    assert main(["status", url, "--json", "--watch", "0"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["manifest"]["algorithm"]["fragments"] == 2
+    assert [n["state"] for n in report["nodes"]] == ["released"]
+    assert main(["status", url, "--watch", "0"]) == 0
+    assert "fragment 1: newest round" in capsys.readouterr().out
+    assert main(["gc", url, "--keep", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["deleted"]
+    assert main(["status", str(tmp_path / "nothing-here")]) == 1
+    assert capsys.readouterr().err.startswith("gradientmail: error: ")

@@ -1,0 +1,342 @@
+"""Convergence of DiLoCo and Streaming DiLoCo against data parallelism, at equal tokens.
+
+    python bench/convergence.py [--quick] [--only a,b] [--out DIR]
+
+Same model, data, initial parameters and total tokens for every variant:
+
+  a   synchronous data parallelism over M workers: one process, an M times larger batch
+  b   one worker alone, the per-worker batch, M times the steps (same tokens)
+  b1  one worker alone, the per-worker batch and a node's steps (1/M of the tokens):
+      the single-worker baseline of DiLoCo's Table 2
+  c   DiLoCo, M worker processes through a directory mailbox, H inner steps per round
+  d   Streaming DiLoCo: K fragments, tau overlapping steps, alpha = 0.5
+  e   d with F4 (MXFP4) deltas
+
+Every variant uses the same inner optimizer and schedule (AdamW, lr 1e-3, 50 warmup steps,
+cosine decay, weight decay 0.1); nothing is tuned per variant. Prints a markdown table (held-out
+loss, bytes per node, ratio to a), writes it with the raw figures to DIR/convergence.{md,json}
+and the held-out curves to DIR/convergence.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+from gradientmail.demo.config import GPTConfig
+from gradientmail.demo.launcher import aligned_heldout
+from gradientmail.demo.plot import plot_curves
+from gradientmail.demo.processes import (
+    DemoError,
+    Job,
+    allreduce_bytes,
+    prepare_directory,
+    run_nodes,
+)
+from gradientmail.demo.progress import human_bytes
+
+VARIANTS = ("a", "b", "b1", "c", "d", "e")
+
+
+@attrs.frozen(kw_only=True)
+class Variant:
+    key: str
+    title: str
+    processes: int
+    batch: int
+    steps: int
+    sync: tuple[str, ...] | None  # worker options of the algorithm; None trains alone
+
+
+@attrs.frozen(kw_only=True)
+class Result:
+    key: str
+    title: str
+    tokens: int
+    heldout: float
+    sent: float
+    received: float
+    seconds: float
+    curve: list[tuple[float, float]]
+
+
+def variants(args: argparse.Namespace) -> dict[str, Variant]:
+    m, b, s, h = args.nodes, args.batch, args.steps, args.inner_steps
+    streaming = (
+        "--inner-steps",
+        str(h),
+        "--fragments",
+        str(args.fragments),
+        "--overlap-steps",
+        str(args.overlap),
+    )
+    return {
+        v.key: v
+        for v in (
+            Variant(
+                key="a",
+                title=f"data parallel, {m} workers",
+                processes=1,
+                batch=m * b,
+                steps=s,
+                sync=None,
+            ),
+            Variant(
+                key="b", title="1 worker, same tokens", processes=1, batch=b, steps=m * s, sync=None
+            ),
+            Variant(
+                key="b1",
+                title=f"1 worker, same steps (1/{m} tokens)",
+                processes=1,
+                batch=b,
+                steps=s,
+                sync=None,
+            ),
+            Variant(
+                key="c",
+                title=f"DiLoCo, {m} nodes, H={h}",
+                processes=m,
+                batch=b,
+                steps=s,
+                sync=("--inner-steps", str(h)),
+            ),
+            Variant(
+                key="d",
+                title=f"Streaming DiLoCo, K={args.fragments}, tau={args.overlap}",
+                processes=m,
+                batch=b,
+                steps=s,
+                sync=streaming,
+            ),
+            Variant(
+                key="e",
+                title="Streaming DiLoCo + F4 deltas",
+                processes=m,
+                batch=b,
+                steps=s,
+                sync=(*streaming, "--quantization", "F4"),
+            ),
+        )
+    }
+
+
+def model_argv(args: argparse.Namespace) -> list[str]:
+    return [
+        "--context",
+        str(args.context),
+        "--layers",
+        str(args.layers),
+        "--dim",
+        str(args.dim),
+        "--heads",
+        str(args.heads),
+        "--eval-windows",
+        str(args.eval_windows),
+        "--log-every",
+        "25",
+    ]
+
+
+def jobs_of(variant: Variant, args: argparse.Namespace, root: Path) -> list[Job]:
+    out = root / variant.key
+    prepare_directory(out)
+    common = [
+        *model_argv(args),
+        "--batch",
+        str(variant.batch),
+        "--steps",
+        str(variant.steps),
+        "--eval-every",
+        str(args.eval_every * variant.steps // args.steps),
+    ]
+    if variant.sync is not None:
+        mailbox = root / f"{variant.key}-mailbox"
+        prepare_directory(mailbox)
+        common += ["--mailbox", mailbox.as_uri(), *variant.sync]
+    label = variant.key if variant.processes == 1 else f"{variant.key}/node-{{}}"
+    return [
+        Job(label=label.format(i), node=i, argv=tuple(common), out=out, steps=variant.steps)
+        for i in range(variant.processes)
+    ]
+
+
+def result_of(
+    variant: Variant,
+    args: argparse.Namespace,
+    root: Path,
+    progress: dict[str, list[dict[str, Any]]],
+    seconds: float,
+) -> Result:
+    out = root / variant.key
+    summaries = [json.loads(p.read_text()) for p in sorted(out.glob("summary-*.json"))]
+    tokens_per_step = variant.batch * args.context * variant.processes
+    by_step: dict[int, list[float]] = {}
+    for records in progress.values():
+        for r in records:
+            if "heldout" in r and not r.get("final"):
+                by_step.setdefault(r["step"], []).append(r["heldout"])
+    curve = [
+        (float(step * tokens_per_step), sum(v) / len(v)) for step, v in sorted(by_step.items())
+    ]
+    if variant.sync is None:
+        heldout = summaries[0]["heldout"]
+        params = summaries[0]["parameters"]
+        dp = allreduce_bytes(params, args.nodes, variant.steps) if variant.key == "a" else 0
+        sent = received = float(dp)
+    else:
+        config = GPTConfig(context=args.context, layers=args.layers, dim=args.dim, heads=args.heads)
+        _, heldout = aligned_heldout(
+            (root / f"{variant.key}-mailbox").as_uri(),
+            config,
+            framework="torch",
+            eval_windows=args.eval_windows,
+        )
+        sent = sum(s["bytes_out"] for s in summaries) / len(summaries)
+        received = sum(s["bytes_in"] for s in summaries) / len(summaries)
+    tokens = variant.steps * tokens_per_step
+    return Result(
+        key=variant.key,
+        title=variant.title,
+        tokens=tokens,
+        heldout=heldout,
+        sent=sent,
+        received=received,
+        seconds=seconds,
+        curve=[*curve, (tokens, heldout)],
+    )
+
+
+def table(results: Sequence[Result]) -> str:
+    base = next((r for r in results if r.key == "a"), None)
+    lines = [
+        "| variant | tokens | held-out loss | vs (a) | sent / node | received / node "
+        "| less than (a) | wall s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        versus = f"{100 * (r.heldout / base.heldout - 1):+.2f}%" if base else "-"
+        total = r.sent + r.received
+        less = (
+            f"{(base.sent + base.received) / total:.0f}x"
+            if base and total and r.key != "a"
+            else ("-" if r.key != "a" else "1x")
+        )
+        lines.append(
+            f"| ({r.key}) {r.title} | {r.tokens:,} | {r.heldout:.4f} | {versus} | "
+            f"{human_bytes(r.sent)} | {human_bytes(r.received)} | {less} | "
+            f"{r.seconds:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def targets(results: Sequence[Result]) -> list[str]:
+    """The papers' targets (DiLoCo Table 2, Streaming DiLoCo Table 1), met or missed."""
+    r = {x.key: x for x in results}
+    checks: list[str] = []
+
+    def check(name: str, ok: bool, detail: str) -> None:
+        checks.append(f"- {name}: {'met' if ok else 'MISSED'} ({detail})")
+
+    if "a" in r and "c" in r:
+        gap = r["c"].heldout / r["a"].heldout - 1
+        check("(c) within 2% of (a)", gap <= 0.02, f"{100 * gap:+.2f}%")
+        comm = (r["a"].sent + r["a"].received) / max(1.0, r["c"].sent + r["c"].received)
+        check("(c) at least 50x less communication than (a)", comm >= 50, f"{comm:.0f}x")
+    if "d" in r and "e" in r:
+        gap = r["e"].heldout / r["d"].heldout - 1
+        check("(e) within 1% of (d)", gap <= 0.01, f"{100 * gap:+.2f}%")
+    for key in ("b", "b1"):
+        others = [x for x in ("a", "c") if x in r]
+        if key in r and others:
+            worse = all(r[key].heldout > r[x].heldout for x in others)
+            check(
+                f"({key}) worse than {' and '.join(f'({x})' for x in others)}",
+                worse,
+                ", ".join(f"{x} {r[x].heldout:.4f}" for x in (key, *others)),
+            )
+    return checks
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--quick", action="store_true", help="a short smoke configuration")
+    p.add_argument("--only", default=",".join(VARIANTS), help="comma-separated variants")
+    p.add_argument("--out", default="/tmp/gradientmail-bench", help="output directory")
+    p.add_argument("--nodes", type=int, default=4, help="M")
+    p.add_argument("--steps", type=int, default=500, help="inner steps of one DiLoCo node")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step and worker")
+    p.add_argument("--inner-steps", type=int, default=50, help="H")
+    p.add_argument("--fragments", type=int, default=2, help="K for (d) and (e)")
+    p.add_argument("--overlap", type=int, default=2, help="tau for (d) and (e)")
+    p.add_argument("--eval-every", type=int, default=100, help="node steps between evaluations")
+    p.add_argument("--eval-windows", type=int, default=128, help="held-out sequences")
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.batch, args.inner_steps, args.eval_every = 60, 4, 20, 20
+        args.context, args.layers, args.dim, args.eval_windows = 64, 2, 64, 16
+    unknown = sorted(set(args.only.split(",")) - set(VARIANTS))
+    if unknown:
+        p.error(f"--only: unknown variants {unknown}; choose from {','.join(VARIANTS)}")
+    return args
+
+
+def run(args: argparse.Namespace) -> list[Result]:
+    root = Path(args.out).resolve()
+    prepare_directory(root)
+    chosen = [v for k, v in variants(args).items() if k in args.only.split(",")]
+    # Single-process baselines run side by side; each mailbox variant gets the machine alone.
+    groups = [[v for v in chosen if v.sync is None], *[[v] for v in chosen if v.sync]]
+    results: dict[str, Result] = {}
+    for group in (g for g in groups if g):
+        print(f"\n== {', '.join(f'({v.key}) {v.title}' for v in group)}", flush=True)
+        start = time.monotonic()
+        jobs = {v.key: jobs_of(v, args, root) for v in group}
+        progress = run_nodes([j for js in jobs.values() for j in js], stream=sys.stdout, every=30)
+        seconds = time.monotonic() - start
+        for v in group:
+            mine = {j.label: progress[j.label] for j in jobs[v.key]}
+            results[v.key] = result_of(v, args, root, mine, seconds)
+    return [results[k] for k in VARIANTS if k in results]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    try:
+        results = run(args)
+    except DemoError as exc:
+        print(f"convergence: error: {exc}", file=sys.stderr)
+        return 1
+    root = Path(args.out).resolve()
+    config = (
+        f"M={args.nodes}, {args.steps} steps per node, batch {args.batch}x{args.context}, "
+        f"{args.layers} layers, d={args.dim}"
+    )
+    report = "\n".join(
+        [f"Convergence at equal tokens ({config})", "", table(results), "", *targets(results)]
+    )
+    print("\n" + report)
+    (root / "convergence.md").write_text(report + "\n")
+    (root / "convergence.json").write_text(
+        json.dumps({"config": vars(args), "results": [attrs.asdict(r) for r in results]}, indent=1)
+    )
+    plot = plot_curves(
+        {f"({r.key}) {r.title}": r.curve for r in results},
+        root / "convergence.png",
+        title=f"Held-out loss ({config})",
+    )
+    print(f"\nplot: {plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

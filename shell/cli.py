@@ -1,0 +1,129 @@
+"""The ``gradientmail`` command line: ``demo``, ``status`` and ``gc``.
+
+Every failure ends with one line on stderr (``gradientmail: error: ...``) and a non-zero exit
+status, never a traceback; set ``GRADIENTMAIL_TRACEBACK=1`` to see the traceback as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from gradientmail.demo.launcher import add_demo_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="gradientmail",
+        description="Low-communication data-parallel training (DiLoCo) through a shared bucket.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = commands.add_parser(
+        "demo",
+        help="train a small GPT on N local processes through a mailbox",
+        description="Start N worker processes that train a small byte-level GPT on the Python "
+        "standard library's sources through a mailbox, show their progress live, then print a "
+        "summary and write a plot of loss against tokens.",
+    )
+    add_demo_arguments(demo)
+    status = commands.add_parser(
+        "status",
+        help="a run's state read from its mailbox",
+        description="Read a run's state from its mailbox (read-only): manifest summary, each "
+        "fragment's newest round and the open round with its reporters and claims, nodes with "
+        "their leases, bytes stored.",
+    )
+    status.add_argument("url", help="the run's mailbox URL (file://, s3://, gs://, az://)")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument(
+        "--watch",
+        type=float,
+        default=2.0,
+        help="seconds between two reads of the leases, to tell live nodes from quiet ones "
+        "(0: read once)",
+    )
+    gc = commands.add_parser(
+        "gc",
+        help="remove payloads a run no longer needs",
+        description="Delete payloads, snapshots and claims of rounds older than the --keep "
+        "newest of each fragment, and orphaned payloads; commit records stay.",
+    )
+    gc.add_argument("url", help="the run's mailbox URL")
+    gc.add_argument("--keep", type=int, default=2, help="rounds of each fragment to keep")
+    gc.add_argument("--dry-run", action="store_true", help="list what would go, delete nothing")
+    gc.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "demo":
+        from gradientmail.demo.launcher import run_demo
+
+        return run_demo(args)
+    import asyncio
+    import json
+
+    from gradientmail.admin import collect, status
+    from gradientmail.urls import mailbox_from_url
+
+    mailbox = mailbox_from_url(args.url)
+    if args.command == "status":
+        report = asyncio.run(status(mailbox, watch=max(0.0, args.watch)))
+        print(json.dumps(report, indent=2) if args.json else _describe_status(report))
+        return 0
+    done = asyncio.run(collect(mailbox, keep=args.keep, dry_run=args.dry_run))
+    if args.json:
+        print(json.dumps(done, indent=2))
+    else:
+        verb = "would delete" if args.dry_run else "deleted"
+        print(f"{verb} {len(done['deleted'])} objects, {done['bytes_freed']} bytes")
+    return 0
+
+
+def _describe_status(report: dict[str, Any]) -> str:
+    m = report["manifest"]
+    a = m["algorithm"]
+    lines = [
+        f"run {report['url']} created by {m['creator']}: {m['parameters']} parameters, "
+        f"{m['elements']} elements, {m['bytes']} bytes, signed={m['signed']}",
+        f"algorithm: H={a['inner_steps']} K={a['fragments']} outer lr {a['outer_lr']} "
+        f"momentum {a['outer_momentum']} quorum {a['quorum_size']} grace {a['grace']} s "
+        f"overlap {a['overlap_steps']} alpha {a['alpha']} quantization {a['quantization']}",
+    ]
+    for f in report["fragments"]:
+        claims = ", ".join(f"{c['attempt']}:{c['node']}" for c in f["claims"]) or "none"
+        lines.append(
+            f"fragment {f['fragment']}: newest round {f['newest_round']}; open round "
+            f"{f['open_round']} reported by {', '.join(f['reporters']) or 'nobody'}; "
+            f"claims {claims}"
+        )
+    for n in report["nodes"]:
+        lines.append(f"node {n['node']}: {n['state']} (lease counter {n['counter']})")
+    lines.append(f"{report['objects']} objects, {report['bytes_stored']} bytes stored")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("gradientmail: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if os.environ.get("GRADIENTMAIL_TRACEBACK"):
+            traceback.print_exc()
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"gradientmail: error: {message}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

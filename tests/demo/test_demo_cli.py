@@ -1,0 +1,189 @@
+"""The command line, the launcher's directory rules and its progress display."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gradientmail.demo.plot import plot_curves, plot_nodes
+from gradientmail.demo.processes import (
+    MARKER,
+    DemoError,
+    allreduce_bytes,
+    local_path,
+    prepare_directory,
+)
+from gradientmail.demo.progress import Display, Follower, human_bytes, render
+
+
+def cli(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gradientmail.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
+
+
+@pytest.mark.parametrize("command", [[], ["demo"], ["status"], ["gc"]])
+def test_every_command_has_help(command: list[str]) -> None:
+    result = cli(*command, "--help")
+    assert result.returncode == 0
+    assert result.stdout.startswith("usage: gradientmail")
+
+
+def test_demo_help_names_its_options() -> None:
+    out = cli("demo", "--help").stdout
+    for option in (
+        "--nodes",
+        "--mailbox",
+        "--framework",
+        "--steps",
+        "--inner-steps",
+        "--fragments",
+        "--quantization",
+        "--out",
+    ):
+        assert option in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["demo", "--nodes", "0"], "--nodes must be at least 1"),
+        (["demo", "--mailbox", "memory://run"], "memory:// mailboxes live in one process"),
+        (["demo", "--inner-steps", "4", "--fragments", "8"], "fragments"),
+    ],
+)
+def test_errors_are_one_line(argv: list[str], message: str, tmp_path: Path) -> None:
+    result = cli(*argv, "--out", str(tmp_path / "out"))
+    assert result.returncode == 1
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gradientmail: error: ")
+    assert message in lines[0]
+
+
+def test_demo_refuses_to_wipe_a_foreign_directory(tmp_path: Path) -> None:
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("years of work")
+    result = cli("demo", "--mailbox", precious.as_uri(), "--out", str(tmp_path / "out"))
+    assert result.returncode == 1
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "refusing to wipe" in result.stderr
+    assert (precious / "thesis.tex").read_text() == "years of work"
+
+
+@pytest.mark.parametrize("command", ["status", "gc"])
+def test_unbuilt_commands_say_so(command: str) -> None:
+    result = cli(command, "file:///tmp/nowhere")
+    assert result.returncode == 2
+    assert "not built yet" in result.stderr
+
+
+def test_prepare_directory_wipes_only_what_a_demo_made(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    prepare_directory(run)
+    assert (run / MARKER).exists()
+    (run / "manifest").write_text("old run")
+    prepare_directory(run)
+    assert sorted(p.name for p in run.iterdir()) == [MARKER]
+    (run / MARKER).unlink()
+    (run / "data").write_text("x")
+    with pytest.raises(DemoError, match="refusing to wipe"):
+        prepare_directory(run)
+    assert (run / "data").exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DemoError, match="not a directory"):
+        prepare_directory(tmp_path / "file")
+
+
+def test_local_path_reads_file_urls_and_paths(tmp_path: Path) -> None:
+    assert local_path(tmp_path.as_uri()) == tmp_path.resolve()
+    assert local_path(str(tmp_path)) == tmp_path.resolve()
+    assert local_path("s3://bucket/run") is None
+    with pytest.raises(DemoError, match="memory"):
+        local_path("memory://x")
+
+
+def test_allreduce_bytes_is_the_ring_formula() -> None:
+    assert allreduce_bytes(1000, 4, 10) == round(2 * 3 / 4 * 1000 * 4 * 10)
+    assert allreduce_bytes(1000, 1, 10) == 0
+
+
+def test_human_bytes() -> None:
+    assert human_bytes(12) == "12 B"
+    assert human_bytes(1536) == "1.5 KiB"
+    assert human_bytes(3 * 2**30) == "3.0 GiB"
+
+
+def test_follower_waits_for_whole_lines(tmp_path: Path) -> None:
+    path = tmp_path / "progress.jsonl"
+    follower = Follower(path)
+    assert follower.poll() == [] and follower.latest is None
+    with path.open("w") as f:
+        f.write(json.dumps({"step": 1}) + "\n" + '{"step": ')
+        f.flush()
+        assert follower.poll() == [{"step": 1}]
+        f.write("2}\n")
+    assert follower.poll() == [{"step": 2}]
+    assert follower.latest == {"step": 2}
+
+
+def test_render_shows_step_loss_speed_round_and_bytes() -> None:
+    records = [
+        {
+            "step": 10,
+            "tokens": 1000,
+            "loss": 3.0,
+            "time": 1.0,
+            "rounds_seen": -1,
+            "bytes_out": 0,
+            "bytes_in": 0,
+        },
+        {
+            "step": 20,
+            "tokens": 2000,
+            "loss": 2.5,
+            "time": 2.0,
+            "rounds_seen": 3,
+            "bytes_out": 2048,
+            "bytes_in": 4096,
+        },
+    ]
+    line = render("node-1", records, steps=100, state="running")
+    for part in ("node-1", "20/100", "2.500", "1000 tok/s", "round    3", "2.0 KiB", "4.0 KiB"):
+        assert part in line
+    assert render("node-2", [], steps=100, state="running").split() == ["node-2", "starting"]
+    assert render("node-2", [], steps=100, state="failed (1)").endswith("failed (1)")
+
+
+def test_display_rewrites_in_place_on_a_terminal_and_prints_periodically_elsewhere() -> None:
+    tty, log = io.StringIO(), io.StringIO()
+    on_tty, off_tty = Display(tty, tty=True), Display(log, tty=False, every=3)
+    for i in range(4):
+        on_tty.show([f"a{i}", f"b{i}"])
+        off_tty.show([f"a{i}", f"b{i}"])
+    off_tty.show(["end"], force=True)
+    assert tty.getvalue().count("\x1b[2F") == 3  # moved up over the two lines each time
+    assert "\x1b" not in log.getvalue()
+    assert log.getvalue().splitlines() == ["a0", "b0", "a3", "b3", "end"]
+
+
+def test_plots_are_png(tmp_path: Path) -> None:
+    progress = {
+        "node-0": [
+            {"step": 1, "tokens": 10, "loss": 3.0},
+            {"step": 2, "tokens": 20, "loss": 2.0, "heldout": 2.2},
+        ],
+    }
+    nodes = plot_nodes(progress, tmp_path / "nodes.png", title="t", aligned=2.1)
+    curves = plot_curves({"a": [(1.0, 3.0), (2.0, 2.0)], "b": []}, tmp_path / "c.png", title="t")
+    for path in (nodes, curves):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
