@@ -26,9 +26,11 @@ demo: install
 test: install
 	$(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS)
 
+LINTED := $(wildcard core shell adapters tests specs bench)
+
 lint: venv
-	$(VENV)/bin/ruff check core shell adapters tests specs bench
-	$(VENV)/bin/ruff format --check core shell adapters tests specs bench
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
 
 typecheck: venv
 	PYTHON=$(PY) bash .ci/typecheck

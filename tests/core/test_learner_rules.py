@@ -7,12 +7,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from gradientmail.core import learner as rules
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.errors import ProtocolError
 from gradientmail.core.learner import Effect, LearnerState, Merge, Publish, Rebased
-from hypothesis import given
-from hypothesis import strategies as st
 
 
 def algo(h: int = 12, k: int = 3, overlap: int | None = None, alpha: float | None = None) -> DiLoCo:
@@ -360,7 +361,7 @@ def test_a_commit_skipping_the_outstanding_round_uses_what_the_skipped_commits_c
     assert effects == [Merge(fragment=0, round=2, since="snapshot", alpha=None)]
     assert counted.fragments[0].samples == 0 and counted.fragments[0].free
     # It did not: the snapshot's samples are rebased and published at once, never twice.
-    missed, effects = rules.on_commit(state, a, round=2, included=False)
+    _, effects = rules.on_commit(state, a, round=2, included=False)
     assert effects[0] == Merge(fragment=0, round=2, since="base", alpha=None)
     assert publishes(effects) == [Publish(fragment=0, round=4, base_round=2, samples=2, steps=2)]
 
@@ -454,7 +455,9 @@ def test_step_after_close_is_a_protocol_error() -> None:
 @pytest.mark.parametrize("samples", [-1, -1000])
 def test_negative_samples_are_refused(samples: int) -> None:
     a = algo()
-    with pytest.raises(ValueError, match=f"samples must be an integer >= 0 \\(tokens\\), got {samples}"):
+    with pytest.raises(
+        ValueError, match=f"samples must be an integer >= 0 \\(tokens\\), got {samples}"
+    ):
         rules.step(fresh(a), a, samples)
 
 
