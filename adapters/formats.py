@@ -27,6 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
 import numpy as np
+
 from gradientmail.core.tensors import (
     DTYPES,
     F4_BLOCK,

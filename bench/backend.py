@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
+
 from gradientmail.core.tensors import ParameterSpec, Schema
 
 T = TypeVar("T")
@@ -49,6 +50,7 @@ def arrays(params: int, tensor: int) -> dict[str, np.ndarray[Any, Any]]:
 
 def torch_case(device: str | None) -> tuple[Any, Callable[[Any], Any], Callable[[Any], Any]]:
     import torch
+
     from gradientmail.adapters import TorchBackend
 
     backend = TorchBackend(device)
@@ -67,6 +69,7 @@ def torch_case(device: str | None) -> tuple[Any, Callable[[Any], Any], Callable[
 
 def mlx_case(device: str | None) -> tuple[Any, Callable[[Any], Any], Callable[[Any], Any]]:
     import mlx.core as mx
+
     from gradientmail.adapters import MLXBackend
 
     def to_tensor(a: np.ndarray[Any, Any]) -> Any:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+
 from gradientmail.demo.config import GPTConfig
 from gradientmail.demo.launcher import aligned_heldout
 from gradientmail.demo.plot import plot_curves

@@ -18,6 +18,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+
 from gradientmail import DiLoCo, Session, mailbox_from_url
 from gradientmail.demo.config import GPTConfig
 from gradientmail.demo.corpus import batches, load_corpus

@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 import attrs
+
 from gradientmail.core.errors import ConfigMismatch, FormatError
 from gradientmail.core.tensors import QUANTIZED, Quantized
 

@@ -49,6 +49,7 @@ from types import ModuleType
 from typing import Literal, TypeAlias, get_args
 
 import attrs
+
 from gradientmail.core.tensors import ITEM_BITS, PayloadDType, Schema, TensorBytes, pack, unpack
 
 __all__ = [

@@ -27,6 +27,7 @@ import struct
 from collections.abc import Mapping
 
 import attrs
+
 from gradientmail.core.codecs import COMPRESSIONS, Compression
 from gradientmail.core.errors import FormatError
 

@@ -23,6 +23,7 @@ import re
 from typing import Literal
 
 import attrs
+
 from gradientmail.core.errors import FormatError
 
 MANIFEST = "manifest"

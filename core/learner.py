@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Literal
 
 import attrs
+
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.errors import ProtocolError
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 import attrs
+
 from gradientmail.core import keys
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.errors import FormatError

@@ -25,6 +25,7 @@ import hashlib
 from collections.abc import Sequence
 
 import attrs
+
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.leases import Leases
 from gradientmail.core.records import Claim, Included, Snapshot

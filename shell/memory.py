@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Literal
 
 import attrs
+
 from gradientmail.clock import Clock, MonotonicClock
 from gradientmail.mailbox import (
     ObjectInfo,

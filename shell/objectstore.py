@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import obstore
+from obstore import exceptions as obstore_errors
+
 from gradientmail.mailbox import (
     MailboxError,
     ObjectInfo,
@@ -33,7 +35,6 @@ from gradientmail.mailbox import (
     validate_key,
     validate_prefix,
 )
-from obstore import exceptions as obstore_errors
 
 if TYPE_CHECKING:
     from obstore import ObjectMeta

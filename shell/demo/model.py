@@ -11,8 +11,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 import torch.nn.functional as F
-from gradientmail.demo.config import GPTConfig, initial_parameters, learning_rate
 from torch import nn
+
+from gradientmail.demo.config import GPTConfig, initial_parameters, learning_rate
 
 __all__ = ["GPT", "TorchTrainer", "build", "heldout_loss", "loss_of", "parameters_of"]
 

@@ -16,6 +16,7 @@ import mlx.optimizers
 import mlx.utils
 import numpy as np
 import numpy.typing as npt
+
 from gradientmail.demo.config import GPTConfig, initial_parameters, learning_rate
 
 __all__ = ["GPT", "MLXTrainer", "build", "heldout_loss", "loss_of", "parameters_of"]

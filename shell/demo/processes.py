@@ -18,6 +18,7 @@ from typing import Any, TextIO
 from urllib.parse import unquote, urlsplit
 
 import attrs
+
 from gradientmail.demo.progress import Display, Follower, render
 from gradientmail.demo.worker import node_name
 

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
+
 from gradientmail.demo.config import GPTConfig
 from gradientmail.demo.corpus import batches, heldout_windows, load_corpus
 
@@ -54,6 +55,7 @@ def make_trainer(
     """A trainer of the demo GPT in ``framework`` ("torch" or "mlx")."""
     if framework == "torch":
         import torch
+
         from gradientmail.demo.model import TorchTrainer
 
         # Several nodes share a few cores; one thread each avoids oversubscription.

@@ -14,6 +14,7 @@ import asyncio
 from collections import defaultdict
 
 import attrs
+
 from gradientmail.adapters.base import Backend
 from gradientmail.clock import MonotonicClock
 from gradientmail.core import keys

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import attrs
+
 from gradientmail.mailbox import BadKey, Mailbox, ObjectInfo, RequestStats
 
 __all__ = ["BAD_KEYS", "BAD_PREFIXES", "check_mailbox"]

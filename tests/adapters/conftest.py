@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from gradientmail.core.tensors import DType, TensorBytes
 
 _NUMPY = {"F32": np.float32, "F16": np.float16}

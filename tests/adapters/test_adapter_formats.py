@@ -10,11 +10,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from gradientmail.adapters import formats
 from gradientmail.core.errors import SchemaMismatch
 from gradientmail.core.tensors import ParameterSpec, Schema, TensorBytes
-from hypothesis import given
-from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 

@@ -7,6 +7,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
 from gradientmail.adapters import formats
 from gradientmail.core.errors import NonFinite, SchemaMismatch
 from gradientmail.core.tensors import (
@@ -17,9 +21,6 @@ from gradientmail.core.tensors import (
     payload_schema,
     scale_name,
 )
-from hypothesis import given
-from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
 ODD_SHAPES = [(), (1,), (3,), (31,), (33,), (2, 3, 5), (64, 7), (0,), (4, 0)]
 ITEM = {"F32": 4, "F16": 2, "BF16": 2}

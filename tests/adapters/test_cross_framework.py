@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from gradientmail.core.tensors import ParameterSpec, Schema
 
 SHAPES = {

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from gradientmail.adapters import Adapter, adapter_for, backend_for, default_backend
 from gradientmail.core.errors import SchemaMismatch
 from gradientmail.core.tensors import ParameterSpec, Schema, TensorBytes

@@ -9,10 +9,11 @@ from typing import Any
 
 import attrs
 import pytest
-from gradientmail.core.algorithm import DiLoCo
-from gradientmail.core.errors import ConfigMismatch, FormatError, ProtocolError
 from hypothesis import given
 from hypothesis import strategies as st
+
+from gradientmail.core.algorithm import DiLoCo
+from gradientmail.core.errors import ConfigMismatch, FormatError, ProtocolError
 
 FIELDS = [a.name for a in attrs.fields(DiLoCo)]
 

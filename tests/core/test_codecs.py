@@ -9,6 +9,9 @@ import sys
 
 import pytest
 import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from gradientmail.core.codecs import (
     COMPRESSIONS,
     Compression,
@@ -27,8 +30,6 @@ from gradientmail.core.tensors import (
     pack,
     unpack,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 LIMIT = 1 << 20
 codecs = st.sampled_from(COMPRESSIONS)

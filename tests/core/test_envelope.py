@@ -5,6 +5,9 @@ from __future__ import annotations
 import struct
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from gradientmail.core.codecs import COMPRESSIONS, Compression, compress, decompress
 from gradientmail.core.envelope import (
     HEADER_BYTES,
@@ -16,8 +19,6 @@ from gradientmail.core.envelope import (
 )
 from gradientmail.core.errors import FormatError
 from gradientmail.core.tensors import TensorBytes
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 records = st.binary(min_size=1, max_size=64)
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from gradientmail.core import fragments
 from gradientmail.core.fragments import layer_of, partition
 from gradientmail.core.tensors import ParameterSpec, Schema
-from hypothesis import given
-from hypothesis import strategies as st
 
 
 def spec(name: str, elements: int = 4) -> ParameterSpec:

@@ -7,11 +7,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from gradientmail.core import keys
 from gradientmail.core.errors import FormatError
 from gradientmail.core.keys import ParsedKey
-from hypothesis import given
-from hypothesis import strategies as st
 
 NONCE = "0123456789abcdef"
 rounds = st.integers(0, keys.MAX_ROUND)

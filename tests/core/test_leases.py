@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gradientmail.core.leases import Leases, Observed, observe
 from hypothesis import given
 from hypothesis import strategies as st
+
+from gradientmail.core.leases import Leases, Observed, observe
 
 EVERY = 10.0
 TIMEOUT = 25.0

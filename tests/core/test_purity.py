@@ -8,8 +8,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import gradientmail.core
 import pytest
+
+import gradientmail.core
 
 CORE = Path(gradientmail.core.__file__).parent
 MODULES = sorted(CORE.glob("*.py"))

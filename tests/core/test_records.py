@@ -7,6 +7,9 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from gradientmail.core import keys
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.errors import FormatError
@@ -25,8 +28,6 @@ from gradientmail.core.records import (
     to_bytes,
 )
 from gradientmail.core.tensors import ParameterSpec, Schema
-from hypothesis import given
-from hypothesis import strategies as st
 
 NONCE = "0123456789abcdef"
 OTHER = "fedcba9876543210"

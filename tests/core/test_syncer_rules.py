@@ -10,13 +10,14 @@ import random
 from collections.abc import Iterable
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from gradientmail.core import syncer as rules
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.leases import Leases, Observed
 from gradientmail.core.records import Claim, Included, Snapshot
 from gradientmail.core.syncer import ClaimRound, Done, RoundView, RoundWatch, Wait
-from hypothesis import given
-from hypothesis import strategies as st
 
 NONCE = "0123456789abcdef"
 DIGEST = "cd" * 32

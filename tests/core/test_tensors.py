@@ -7,6 +7,9 @@ import struct
 from collections.abc import Sequence
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from gradientmail.core.tensors import (
     F4_BLOCK,
     MAX_HEADER_BYTES,
@@ -24,8 +27,6 @@ from gradientmail.core.tensors import (
     unpack,
     validate,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 names = st.text(min_size=1, max_size=12).filter(lambda n: n != "__metadata__")
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from gradientmail.demo.plot import plot_curves, plot_nodes
 from gradientmail.demo.processes import (
     MARKER,

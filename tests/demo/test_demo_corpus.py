@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+
 from gradientmail.demo.corpus import batches, heldout_windows, load_corpus, stdlib_sources
 
 

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+
 from gradientmail.demo import model as torch_gpt
 from gradientmail.demo.config import GPTConfig, initial_parameters, learning_rate, parameter_shapes
 from gradientmail.demo.corpus import batches, heldout_windows, load_corpus

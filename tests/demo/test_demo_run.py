@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import gradientmail
 import pytest
+
+import gradientmail
 
 pytestmark = pytest.mark.skipif(
     not hasattr(gradientmail, "Session"), reason="needs gradientmail.Session"

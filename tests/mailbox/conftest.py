@@ -6,6 +6,7 @@ import secrets
 from collections.abc import Iterator
 
 import pytest
+
 from gradientmail.testing.s3 import moto_s3, with_prefix
 
 

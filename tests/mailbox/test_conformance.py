@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from obstore.store import LocalStore, MemoryStore
+
 from gradientmail.directory import DirectoryMailbox
 from gradientmail.memory import Faults, MemoryMailbox
 from gradientmail.objectstore import ObjectStoreMailbox
 from gradientmail.testing.mailbox import check_mailbox
-from obstore.store import LocalStore, MemoryStore
 
 LARGE = 64 * 2**20
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from gradientmail.directory import TEMP_PREFIX, DirectoryMailbox
 from gradientmail.mailbox import MailboxError
 

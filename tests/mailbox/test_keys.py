@@ -5,6 +5,9 @@ from __future__ import annotations
 import threading
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from gradientmail.mailbox import (
     BadKey,
     MailboxError,
@@ -14,8 +17,6 @@ from gradientmail.mailbox import (
     validate_prefix,
 )
 from gradientmail.testing.mailbox import BAD_KEYS, BAD_PREFIXES
-from hypothesis import given
-from hypothesis import strategies as st
 
 CHARSET = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-"
 segments = st.text(CHARSET, min_size=1, max_size=40).filter(lambda s: s not in (".", ".."))

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Awaitable
 
 import pytest
+
 from gradientmail.mailbox import MailboxError, TransientMailboxError
 from gradientmail.memory import Faults, MemoryMailbox
 from gradientmail.urls import mailbox_from_url

@@ -17,10 +17,11 @@ from contextlib import contextmanager
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import pytest
+from obstore.store import MemoryStore, S3Store
+
 from gradientmail.mailbox import MailboxError, TransientMailboxError
 from gradientmail.objectstore import ObjectStoreMailbox, open_store
 from gradientmail.testing.s3 import with_prefix
-from obstore.store import MemoryStore, S3Store
 
 _CONFLICT_BODY = (
     b"<Error><Code>ConditionalRequestConflict</Code><Message>retry the upload</Message></Error>"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from gradientmail.directory import DirectoryMailbox
 from gradientmail.memory import MemoryMailbox
 from gradientmail.objectstore import ObjectStoreMailbox

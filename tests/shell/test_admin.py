@@ -8,12 +8,13 @@ import pytest
 
 pytest.importorskip("torch")
 
+from virtual_run import committed_rounds, make_model, run_nodes
+
 from gradientmail import DiLoCo, ProtocolError, align
 from gradientmail.admin import collect, status
 from gradientmail.core import keys
 from gradientmail.memory import MemoryMailbox
 from gradientmail.testing.audit import audit
-from virtual_run import committed_rounds, make_model, run_nodes
 
 ALGORITHM = DiLoCo(inner_steps=10, fragments=2, overlap_steps=1, grace=5.0)
 

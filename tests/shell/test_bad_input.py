@@ -8,6 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from virtual_run import committed_rounds, make_model, run_nodes  # noqa: E402
+
 from gradientmail import (  # noqa: E402
     ConfigMismatch,
     DiLoCo,
@@ -24,7 +26,6 @@ from gradientmail.core.records import Snapshot, to_bytes  # noqa: E402
 from gradientmail.events import Excluded, Rejected  # noqa: E402
 from gradientmail.memory import Faults, MemoryMailbox  # noqa: E402
 from gradientmail.testing.audit import audit  # noqa: E402
-from virtual_run import committed_rounds, make_model, run_nodes  # noqa: E402
 
 ALGORITHM = DiLoCo(inner_steps=10, fragments=2, overlap_steps=1, grace=5.0)
 QUICK = {"poll_interval": 0.05, "lease_every": 0.2, "lease_timeout": 1.0}

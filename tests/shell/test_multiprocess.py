@@ -13,6 +13,7 @@ pytest.importorskip("torch")
 
 import worker
 from cluster import Cluster
+
 from gradientmail import MonotonicClock, mailbox_from_url
 from gradientmail.adapters import TorchBackend
 from gradientmail.core import keys

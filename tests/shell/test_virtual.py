@@ -7,11 +7,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from virtual_run import committed_rounds, run_nodes  # noqa: E402
+
 from gradientmail import DiLoCo  # noqa: E402
 from gradientmail.adapters.torch import TorchBackend  # noqa: E402
 from gradientmail.events import Merged  # noqa: E402
 from gradientmail.testing.audit import audit  # noqa: E402
-from virtual_run import committed_rounds, run_nodes  # noqa: E402
 
 
 @pytest.mark.parametrize(

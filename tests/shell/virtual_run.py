@@ -6,6 +6,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
+
 from gradientmail import DiLoCo
 from gradientmail.events import Committed, Event
 from gradientmail.memory import Faults, MemoryMailbox
