@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn
 import mlx.utils
 import numpy as np
+
 from gradientmail.adapters import formats
 from gradientmail.adapters.base import Adapter, Tensors
 from gradientmail.core.errors import NonFinite

@@ -11,6 +11,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
+
 from gradientmail.adapters import formats
 from gradientmail.adapters.base import Adapter, Tensors
 from gradientmail.core.errors import NonFinite

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 import attrs
 
 from gradientmail.adapters.base import Adapter, Backend, Tensors
-from gradientmail.clock import Clock
 from gradientmail.core import keys
 from gradientmail.core import learner as rules
 from gradientmail.core.algorithm import DiLoCo

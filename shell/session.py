@@ -27,8 +27,8 @@ from gradientmail.core.codecs import Compression
 from gradientmail.core.errors import ProtocolError
 from gradientmail.events import Callback, Failed, Joined, Left, combined, log_events
 from gradientmail.exchange import Exchange
-from gradientmail.ledger import Ledger
 from gradientmail.learner import Learner
+from gradientmail.ledger import Ledger
 from gradientmail.mailbox import Mailbox
 from gradientmail.run import check_schema, create_or_join, load_newest
 from gradientmail.syncer import Syncer
