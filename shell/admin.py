@@ -117,8 +117,8 @@ async def collect(mailbox: Mailbox, *, keep: int = 2, dry_run: bool = False) -> 
     K = manifest.algorithm.fragments
     newest = {}
     for k in range(K):
-        commit = await newest_commit(exchange, manifest, k)
-        newest[k] = commit.round if commit else -1
+        head = await newest_commit(exchange, manifest, k)
+        newest[k] = head.round if head else -1
     sizes = {info.key: info.size for info in await mailbox.list("")}
     by_round: dict[int, list[str]] = defaultdict(list)
     doomed: list[str] = []
