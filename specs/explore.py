@@ -1,0 +1,255 @@
+"""An explicit-state explorer of our own, and a seeded random walk, over ``specs.world``.
+
+``explore`` is breadth-first with a parent pointer per distinct state, so the first violation
+found has a shortest trace. States are deduplicated by ``specs.view.fingerprint`` (blake2b over
+a stable encoding of a view that drops history and normalizes times); with ``symmetry`` the
+fingerprint is the canonical one over node permutations. The queue holds real worlds, never
+canonical representatives, so every trace it prints is a real execution; but the core's closer
+rotation depends on node ids, so permuting nodes is not an exact symmetry and ``symmetry`` may
+skip states (an under-approximation: the CI configurations run without it).
+
+Per distinct state it checks the safety invariants (``specs.invariants``), deadlock (no
+progress step enabled now or after waiting out every timer, while a running node has a round
+in flight) and, when ``liveness`` is on, the healed fair schedule of ``specs.liveness``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import NamedTuple
+
+from specs import closing
+from specs.config import Config
+from specs.invariants import check
+from specs.liveness import settle, tick_bound
+from specs.state import Event, World
+from specs.view import fingerprint
+from specs.world import apply, initial, progress_possible, successors
+
+__all__ = ["Result", "Violation", "explore", "random_walk", "replay"]
+
+# Steps that make progress on their own (the rest only pass time or are the user's choice).
+PROGRESS = frozenset({"train", "merge", "upload", "poll", "commit", "stop", "resume"})
+# A random walk favours progress and keeps faults and leaving rare, so it goes deep.
+WALK_WEIGHTS = {
+    **dict.fromkeys(PROGRESS | {"join", "sync", "claim"}, 4.0),
+    **dict.fromkeys(("crash", "pause", "leave", "fast", "slow"), 0.2),
+    "resume": 0.5,
+}
+
+
+class Violation(NamedTuple):
+    """``kind`` is "invariant", "deadlock" or "liveness"; ``trace`` leads from the initial
+    world to the violating one; ``tail`` is the healed schedule that failed (liveness)."""
+
+    kind: str
+    name: str
+    message: str
+    trace: tuple[Event, ...]
+    tail: tuple[Event, ...] = ()
+
+
+class Result(NamedTuple):
+    config: Config
+    generated: int
+    distinct: int
+    depth: int
+    seconds: float
+    violation: Violation | None
+    complete: bool
+
+    @property
+    def rate(self) -> float:
+        """Distinct states per second."""
+        return self.distinct / self.seconds if self.seconds > 0 else 0.0
+
+
+def replay(config: Config, events: tuple[Event, ...] | list[Event]) -> list[World]:
+    """The worlds a trace goes through, from the initial one (a counterexample as a test)."""
+    worlds = [initial(config)]
+    for event in events:
+        worlds.append(apply(worlds[-1], event))
+    return worlds
+
+
+def explore(
+    config: Config,
+    *,
+    symmetry: bool = False,
+    liveness: bool = True,
+    max_states: int | None = None,
+    progress: Callable[[int, int, int], None] | None = None,
+) -> Result:
+    """Breadth-first exploration of every interleaving within ``config``'s bounds."""
+    started = time.perf_counter()
+    world = initial(config)
+    root = fingerprint(world, symmetry=symmetry)
+    parents: dict[bytes, tuple[bytes, Event] | None] = {root: None}
+    queue: deque[tuple[World, bytes, int]] = deque([(world, root, 0)])
+    memo: dict[bytes, bool] = {}
+    deferred: list[Violation] = []
+    generated = depth = 0
+    report = 25_000
+    violation = _check(world, root, parents, liveness, memo, deferred)
+    while queue and violation is None:
+        world, fp, d = queue.popleft()
+        depth = max(depth, d)
+        if max_states is not None and len(parents) >= max_states:
+            break
+        steps = successors(world)
+        violation = _deadlock(world, steps, fp, parents)
+        for event, after in steps:
+            generated += 1
+            child = fingerprint(after, symmetry=symmetry)
+            if child in parents:
+                continue
+            parents[child] = (fp, event)
+            violation = violation or _check(after, child, parents, liveness, memo, deferred)
+            if violation is not None:
+                depth = d + 1
+                break
+            queue.append((after, child, d + 1))
+        if progress is not None and len(parents) >= report:
+            progress(generated, len(parents), depth)
+            report += 25_000
+    complete = not queue and violation is None
+    if violation is None and deferred:
+        violation = deferred[0]
+    return Result(
+        config=config,
+        generated=generated,
+        distinct=len(parents),
+        depth=depth,
+        seconds=time.perf_counter() - started,
+        violation=violation,
+        complete=complete,
+    )
+
+
+def _trace(fp: bytes, parents: dict[bytes, tuple[bytes, Event] | None]) -> tuple[Event, ...]:
+    events = []
+    link = parents[fp]
+    while link is not None:
+        fp, event = link
+        events.append(event)
+        link = parents[fp]
+    return tuple(reversed(events))
+
+
+def _check(
+    world: World,
+    fp: bytes,
+    parents: dict[bytes, tuple[bytes, Event] | None],
+    liveness: bool,
+    memo: dict[bytes, bool],
+    deferred: list[Violation],
+) -> Violation | None:
+    """Safety at once; liveness by the healed schedule. An invariant that breaks inside a
+    healed schedule is kept aside: a shortest trace to it within the bounds may yet come, so
+    it is reported only if the exploration finds nothing else."""
+    broken = check(world)
+    if broken is not None:
+        return Violation("invariant", broken[0], broken[1], _trace(fp, parents))
+    if not liveness:
+        return None
+    settled = settle(world, memo=memo)
+    if settled.ok:
+        return None
+    if settled.broken is not None:
+        if not deferred:
+            name, message = settled.broken
+            deferred.append(
+                Violation("invariant", name, message, _trace(fp, parents), settled.events)
+            )
+        return None
+    tail = settle(world).events  # again without the memo, for the whole schedule
+    return Violation("liveness", "eventually-committed", settled.reason, _trace(fp, parents), tail)
+
+
+def _deadlock(
+    world: World,
+    steps: list[tuple[Event, World]],
+    fp: bytes,
+    parents: dict[bytes, tuple[bytes, Event] | None],
+) -> Violation | None:
+    if any(event.kind in PROGRESS for event, _ in steps) or progress_possible(world, PROGRESS):
+        return None
+    waiting = [
+        i
+        for i, node in enumerate(world.nodes)
+        if node.running
+        and node.learner is not None
+        and any(f.outstanding is not None for f in node.learner.fragments)
+    ]
+    if not waiting:
+        return None
+    later = world
+    for _ in range(tick_bound(world.config)):
+        for i, node in enumerate(later.nodes):
+            if node.active:
+                later = closing.sync(later, i)
+        later = apply(later, Event("tick"))
+        if progress_possible(later, PROGRESS):
+            return None
+    nodes = ", ".join(f"n{i}" for i in waiting)
+    return Violation("deadlock", "deadlock", f"{nodes} wait forever", _trace(fp, parents))
+
+
+def random_walk(
+    config: Config,
+    *,
+    seed: int = 0,
+    walks: int = 100,
+    depth: int = 200,
+    liveness: bool = True,
+) -> Result:
+    """Seeded random walks: each picks among enabled events by ``WALK_WEIGHTS``; every state is
+    checked, and every walk's last state settles (liveness)."""
+    rng = random.Random(seed)
+    started = time.perf_counter()
+    seen: set[bytes] = set()
+    generated = longest = 0
+    violation = None
+    for _ in range(walks):
+        world = initial(config)
+        trace: list[Event] = []
+        for _ in range(depth):
+            steps = successors(world)
+            if not steps:  # only a state constraint cuts a world off like this
+                break
+            weights = [WALK_WEIGHTS.get(e.kind, 1.0) for e, _ in steps]
+            event, world = rng.choices(steps, weights)[0]
+            trace.append(event)
+            generated += 1
+            seen.add(fingerprint(world))
+            broken = check(world)
+            if broken is not None:
+                violation = Violation("invariant", broken[0], broken[1], tuple(trace))
+                break
+            if not any(node.running or node.status == "absent" for node in world.nodes):
+                break
+        longest = max(longest, len(trace))
+        if violation is None and liveness:
+            settled = settle(world)
+            if not settled.ok:
+                violation = Violation(
+                    "liveness",
+                    "eventually-committed",
+                    settled.reason,
+                    tuple(trace),
+                    settled.events,
+                )
+        if violation is not None:
+            break
+    return Result(
+        config=config,
+        generated=generated,
+        distinct=len(seen),
+        depth=longest,
+        seconds=time.perf_counter() - started,
+        violation=violation,
+        complete=False,
+    )
