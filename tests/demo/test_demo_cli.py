@@ -82,10 +82,14 @@ def test_demo_refuses_to_wipe_a_foreign_directory(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("command", ["status", "gc"])
-def test_unbuilt_commands_say_so(command: str) -> None:
-    result = cli(command, "file:///tmp/nowhere")
-    assert result.returncode == 2
-    assert "not built yet" in result.stderr
+def test_status_and_gc_of_a_mailbox_without_a_run_fail_in_one_line(
+    command: str, tmp_path: Path
+) -> None:
+    result = cli(command, f"file://{tmp_path / 'nowhere'}")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"gradientmail: error: file://{tmp_path / 'nowhere'} holds no run (no manifest)"
+    ]
 
 
 def test_prepare_directory_wipes_only_what_a_demo_made(tmp_path: Path) -> None:
