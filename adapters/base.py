@@ -95,6 +95,13 @@ class Backend(Protocol):
         """``sum(w_i * t_i)`` in F32 (the outer gradient; the caller normalizes the weights)."""
         ...
 
+    def norm(self, tensors: Tensors) -> float:
+        """The L2 norm of all of ``tensors`` taken together (a delta's size, for the closer's
+        outlier rule): each tensor's norm in F32, scaled by its largest magnitude so that no
+        finite delta overflows, combined in F64. ``inf`` or ``nan`` when a tensor holds them;
+        0.0 for no tensors."""
+        ...
+
     def outer_step(
         self,
         master: Tensors,

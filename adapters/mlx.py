@@ -206,6 +206,21 @@ class MLXBackend:
             out[name] = total
         return _evaluated(out)
 
+    def norm(self, tensors: Tensors) -> float:
+        total = 0.0
+        for a in tensors.values():
+            x = _f32(a)
+            if x.size == 0:
+                continue
+            peak = cast(float, mx.max(mx.abs(x)).item())
+            if not math.isfinite(peak):
+                return math.inf if peak == math.inf else math.nan
+            if peak > 0.0:
+                # Scaled by the peak: squares of F32 values above 1.8e19 would overflow.
+                scaled = cast(float, mx.sqrt(mx.sum(mx.square(x / peak))).item())
+                total += (peak * scaled) ** 2
+        return math.sqrt(total)
+
     def outer_step(
         self,
         master: Tensors,

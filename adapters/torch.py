@@ -229,6 +229,20 @@ class TorchBackend:
             out[name] = total
         return out
 
+    def norm(self, tensors: Tensors) -> float:
+        total = 0.0
+        for t in tensors.values():
+            a = self._f32(t)
+            if a.numel() == 0:
+                continue
+            peak = float(a.abs().max())
+            if not math.isfinite(peak):
+                return math.inf if peak == math.inf else math.nan
+            if peak > 0.0:
+                # Scaled by the peak: squares of F32 values above 1.8e19 would overflow.
+                total += (peak * float(torch.linalg.vector_norm(a / peak))) ** 2
+        return math.sqrt(total)
+
     def outer_step(
         self,
         master: Tensors,

@@ -23,14 +23,17 @@ from gradientmail.core.records import (
     Lease,
     Manifest,
     PayloadRef,
+    Record,
     Snapshot,
     canonical,
     read_record,
     to_bytes,
 )
+from gradientmail.core.robust import RECORD_BOUND, oversized
+from gradientmail.core.signing import Keyring
 from gradientmail.core.tensors import TensorBytes
 from gradientmail.events import Callback, Rejected, Retried
-from gradientmail.mailbox import Mailbox, TransientMailboxError
+from gradientmail.mailbox import Mailbox, ObjectInfo, TransientMailboxError
 
 __all__ = ["Exchange", "new_nonce"]
 
@@ -47,7 +50,9 @@ class Exchange:
     """Records and payloads of one run in ``mailbox``, for node ``node``.
 
     ``retries`` transient failures of one request are retried, ``backoff`` seconds after the
-    first and doubling; the last one is raised.
+    first and doubling; the last one is raised. With ``keyring`` (a signed run) every record
+    written is signed and every record read must verify (``core.signing``); without one,
+    records are written unsigned and signatures are not checked.
     """
 
     def __init__(
@@ -59,13 +64,18 @@ class Exchange:
         on_event: Callback | None = None,
         retries: int = 6,
         backoff: float = 0.05,
+        keyring: Keyring | None = None,
     ) -> None:
         self.mailbox = mailbox
+        self.keyring = keyring
         self.clock = clock
         self.node = node
         self._on_event = on_event or (lambda event: None)
         self._retries = retries
         self._backoff = backoff
+        # Reasons already reported, so that an object re-read every poll (a forged commit
+        # squatting its key) is reported once, not once a poll.
+        self._reported: set[tuple[str, str]] = set()
 
     # -- requests with retries ---------------------------------------------------------
 
@@ -120,74 +130,130 @@ class Exchange:
         await self._retry("delete", key, lambda: self.mailbox.delete(key))
 
     async def list_keys(self, prefix: str) -> list[str]:
-        infos = await self._retry("list", prefix, lambda: self.mailbox.list(prefix))
-        return [info.key for info in infos]
+        return [info.key for info in await self._list(prefix)]
+
+    async def _list(self, prefix: str) -> list[ObjectInfo]:
+        return await self._retry("list", prefix, lambda: self.mailbox.list(prefix))
 
     # -- records ----------------------------------------------------------------------
 
-    def _reject(self, key: str, reason: str) -> None:
+    def reject(self, key: str, reason: str) -> None:
+        """Report that the object at ``key`` was not used, and why (once per key and reason)."""
+        if (key, reason) in self._reported:
+            return
+        if len(self._reported) >= 4096:
+            self._reported.clear()
+        self._reported.add((key, reason))
         self._on_event(Rejected(node=self.node, key=key, reason=reason))
 
-    async def _record(self, key: str, kind: type[R]) -> R | None:
-        """The record at ``key``, None when absent; a corrupt object raises ``FormatError``."""
+    def _seal(
+        self, record: Record, payload: bytes = b"", compression: Compression = "off"
+    ) -> bytes:
+        return seal(to_bytes(record, self.keyring), payload, compression=compression)
+
+    async def _record(self, key: str, kind: type[R], *, verify: bool = True) -> R | None:
+        """The record at ``key``, None when absent; a corrupt object, or in a signed run an
+        unsigned or badly signed one, raises ``FormatError``."""
         blob = await self.get(key)
         if blob is None:
             return None
-        return read_record(unseal(blob).record, kind, key=key)
+        verifier = self.keyring if verify else None
+        return read_record(unseal(blob).record, kind, key=key, verifier=verifier)
 
-    async def manifest(self) -> Manifest | None:
-        return await self._record(keys.MANIFEST, Manifest)
+    async def manifest(self, *, verify: bool = True) -> Manifest | None:
+        """The run's manifest; ``verify=False`` reads it without checking its signature (to
+        learn whether the run is signed before joining it)."""
+        return await self._record(keys.MANIFEST, Manifest, verify=verify)
 
     async def create_manifest(self, manifest: Manifest) -> Manifest:
-        """Create the run; returns the manifest that won (ours or a racing node's)."""
-        if await self.create(keys.MANIFEST, seal(to_bytes(manifest))):
+        """Create the run; returns the manifest that won (ours or a racing node's), read
+        without its signature checked (``run.check_signing`` does that next)."""
+        if await self.create(keys.MANIFEST, self._seal(manifest)):
             return manifest
-        theirs = await self.manifest()
+        theirs = await self.manifest(verify=False)
         if theirs is None:
             raise FormatError("manifest vanished after a lost create", key=keys.MANIFEST)
         return theirs
 
-    async def commit(self, r: int) -> Commit | None:
-        return await self._record(keys.commit(r), Commit)
+    async def put_manifest(self, manifest: Manifest) -> None:
+        """Overwrite the manifest with ``manifest`` signed by this keyring: only to re-sign the
+        same content after a key rotation (``run.resign_manifest``); never to change a run."""
+        await self.put(keys.MANIFEST, self._seal(manifest))
+
+    async def commit(self, r: int, *, verify: bool = True) -> Commit | None:
+        """Round ``r``'s commit record; ``FormatError`` when corrupt, unsigned or badly signed
+        in a signed run, or naming another round (a genuine record replayed under this key)."""
+        key = keys.commit(r)
+        commit = await self._record(key, Commit, verify=verify)
+        if commit is not None and commit.round != r:
+            raise FormatError(f"commit record names round {commit.round}", key=key)
+        return commit
 
     async def create_commit(self, commit: Commit) -> bool:
         """True when ``commit`` is the round's record (ours), False when another won."""
-        return await self.create(keys.commit(commit.round), seal(to_bytes(commit)))
+        return await self.create(keys.commit(commit.round), self._seal(commit))
 
     async def claims(self, r: int) -> list[Claim]:
+        """The valid claims of round ``r``; corrupt, oversized, forged or misplaced ones are
+        reported and left out."""
         found = []
-        for key in await self.list_keys(keys.claims(r)):
-            try:
-                claim = await self._record(key, Claim)
-            except FormatError as exc:
-                self._reject(key, str(exc))
-                continue
-            if claim is not None and keys.parse(key).attempt == claim.attempt:
+        for info in await self._list(keys.claims(r)):
+            claim = await self._claim_at(info.key, size=info.size)
+            if claim is not None:
                 found.append(claim)
-            elif claim is not None:
-                self._reject(key, f"claim record names attempt {claim.attempt}")
         return found
 
+    async def claim_at(self, r: int, attempt: int) -> Claim | None:
+        """The valid claim of ``attempt`` of round ``r``, None when absent or invalid."""
+        return await self._claim_at(keys.claim(r, attempt))
+
+    async def _claim_at(self, key: str, *, size: int | None = None) -> Claim | None:
+        try:
+            parsed = keys.parse(key)
+        except FormatError:
+            parsed = None
+        if parsed is None or parsed.kind != "claim":
+            self.reject(key, "not a claim key")
+            return None
+        too_big = None if size is None else oversized(size, RECORD_BOUND)
+        if too_big is not None:
+            self.reject(key, too_big)
+            return None
+        try:
+            claim = await self._record(key, Claim)
+        except FormatError as exc:
+            self.reject(key, str(exc))
+            return None
+        if claim is not None and (claim.attempt, claim.round) != (parsed.attempt, parsed.round):
+            self.reject(key, f"claim record names round {claim.round} attempt {claim.attempt}")
+            return None
+        return claim
+
     async def claim(self, claim: Claim) -> bool:
-        return await self.create(keys.claim(claim.round, claim.attempt), seal(to_bytes(claim)))
+        return await self.create(keys.claim(claim.round, claim.attempt), self._seal(claim))
 
     async def reporters(self, r: int) -> list[str]:
         """Nodes with a snapshot under round ``r`` (key names only: one LIST)."""
-        nodes = []
-        for key in await self.list_keys(keys.snapshots(r)):
+        return sorted(await self.snapshot_sizes(r))
+
+    async def snapshot_sizes(self, r: int) -> dict[str, int]:
+        """Each node with a snapshot under round ``r`` and the object's size in bytes, from one
+        LIST (so that an oversized object is refused before it is downloaded)."""
+        sizes = {}
+        for info in await self._list(keys.snapshots(r)):
             try:
-                parsed = keys.parse(key)
+                parsed = keys.parse(info.key)
             except FormatError:
-                self._reject(key, "not a snapshot key")
+                self.reject(info.key, "not a snapshot key")
                 continue
             if parsed.kind == "snapshot" and parsed.node is not None:
-                nodes.append(parsed.node)
-        return sorted(nodes)
+                sizes[parsed.node] = info.size
+        return sizes
 
     async def publish(self, snapshot: Snapshot, payload: bytes, compression: Compression) -> bool:
         """Create this node's snapshot of a round; False when the key holds another
         incarnation's snapshot (the round is missed)."""
-        blob = seal(to_bytes(snapshot), payload, compression=compression)
+        blob = self._seal(snapshot, payload, compression)
         return await self.create(keys.snapshot(snapshot.round, snapshot.node), blob)
 
     async def snapshot(
@@ -199,7 +265,7 @@ class Exchange:
         if blob is None:
             return None
         sealed = unseal(blob)
-        record = read_record(sealed.record, Snapshot, key=key)
+        record = read_record(sealed.record, Snapshot, key=key, verifier=self.keyring)
         if payload_digest(sealed.payload) != record.digest:
             raise FormatError("payload does not match the record's digest", key=key)
         try:
@@ -244,20 +310,24 @@ class Exchange:
     # -- leases and hints -------------------------------------------------------------
 
     async def put_lease(self, lease: Lease) -> None:
-        await self.put(keys.lease(lease.node), seal(to_bytes(lease)))
+        await self.put(keys.lease(lease.node), self._seal(lease))
 
     async def lease(self, node: str) -> Lease | None:
         return await self._record(keys.lease(node), Lease)
 
     async def lease_versions(self) -> dict[str, str]:
-        """Every lease's version (etag) from one LIST of ``leases/``."""
-        infos = await self._retry("list", keys.LEASES, lambda: self.mailbox.list(keys.LEASES))
+        """Every lease's version (etag) from one LIST of ``leases/``; oversized ones are
+        reported and left out before any download."""
         found = {}
-        for info in infos:
+        for info in await self._list(keys.LEASES):
             try:
                 parsed = keys.parse(info.key)
             except FormatError:
-                self._reject(info.key, "not a lease key")
+                self.reject(info.key, "not a lease key")
+                continue
+            too_big = oversized(info.size, RECORD_BOUND)
+            if too_big is not None:
+                self.reject(info.key, too_big)
                 continue
             if parsed.kind == "lease" and parsed.node is not None:
                 found[parsed.node] = info.version
@@ -271,7 +341,7 @@ class Exchange:
         try:
             value = int(blob.decode("ascii"))
         except (UnicodeDecodeError, ValueError):
-            self._reject(keys.head(fragment), "not a round number")
+            self.reject(keys.head(fragment), "not a round number")
             return None
         return value if value >= 0 else None
 

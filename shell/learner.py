@@ -274,16 +274,33 @@ class Learner:
     async def _poll_fragment(self, k: int) -> bool:
         r = self._next_poll[k]
         try:
-            commit = await self._exchange.commit(r)
-        except FormatError as exc:
-            self._on_event(Rejected(node=self.node, key=exc.key or "", reason=str(exc)))
+            found = await self._fetch(k, r)
+        except ValueError as exc:
+            # FormatError or SchemaMismatch: a corrupt, forged or replayed commit or params.
+            # Reported and polled again later; never merged, never fatal to the loop.
+            self._exchange.reject(getattr(exc, "key", None) or keys.commit(r), str(exc))
             return False
+        if found is None:
+            return False
+        commit, tensors, counted = found
+        self._ledger.committed(commit)
+        with self._lock:
+            self._ready.append((commit, tensors, counted))
+            self._lock.notify_all()
+        self._next_poll[k] = commit.round + self.algorithm.fragments
+        return True
+
+    async def _fetch(
+        self, k: int, r: int
+    ) -> tuple[Commit, Tensors, frozenset[tuple[str, str]]] | None:
+        """Round ``r``'s commit of fragment ``k``, its verified parameters and every snapshot
+        it (and any commit skipped to reach it) counted; None when there is none yet."""
+        commit = await self._exchange.commit(r)
         if commit is None:
-            return False
+            return None
         if commit.fragment != k or commit.base_round != previous_round(self.algorithm, r):
             reason = f"commit names fragment {commit.fragment}, base {commit.base_round}"
-            self._on_event(Rejected(node=self.node, key=keys.commit(r), reason=reason))
-            return False
+            raise FormatError(reason, key=keys.commit(r))
         counted = frozenset((i.node, i.nonce) for i in commit.included)
         tensors = await self._load(commit)
         if tensors is None:
@@ -294,15 +311,10 @@ class Learner:
                 raise ProtocolError(f"params of round {r} are gone and no newer commit exists")
             tensors = await self._load(newest)
             if tensors is None:
-                return False  # collected again: try from the hint at the next poll
+                return None  # collected again: try from the hint at the next poll
             counted |= frozenset((i.node, i.nonce) for i in newest.included)
             commit = newest
-        self._ledger.committed(commit)
-        with self._lock:
-            self._ready.append((commit, tensors, counted))
-            self._lock.notify_all()
-        self._next_poll[k] = commit.round + self.algorithm.fragments
-        return True
+        return commit, tensors, counted
 
     async def _load(self, commit: Commit) -> Tensors | None:
         schema = self._manifest.fragment_schema(commit.fragment)

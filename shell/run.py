@@ -9,7 +9,9 @@ rounds, Decision 8) and load it into the model.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from gradientmail.adapters.base import Adapter
 from gradientmail.core import keys
@@ -18,11 +20,117 @@ from gradientmail.core.codecs import Compression
 from gradientmail.core.errors import FormatError, ProtocolError
 from gradientmail.core.fragments import partition
 from gradientmail.core.records import Commit, Manifest, PayloadRef
+from gradientmail.core.signing import Keyring
 from gradientmail.core.syncer import previous_round
 from gradientmail.core.tensors import Schema, SchemaMismatch, TensorBytes, validate
 from gradientmail.exchange import Exchange, new_nonce
 
-__all__ = ["create_or_join", "load_newest", "newest_commit", "payload_limit", "read_fragment"]
+__all__ = [
+    "SECRET_ENV",
+    "SECRET_FILE_ENV",
+    "check_signing",
+    "create_or_join",
+    "keyring_from",
+    "load_newest",
+    "newest_commit",
+    "payload_limit",
+    "read_fragment",
+    "read_manifest",
+    "resign_manifest",
+]
+
+SECRET_ENV = "GRADIENTMAIL_SECRET"
+"""The environment variable holding the run secret (two, comma-separated, during a rotation)."""
+
+SECRET_FILE_ENV = "GRADIENTMAIL_SECRET_FILE"
+"""The environment variable naming a file that holds the run secret(s), one a line."""
+
+Secret = bytes | str | Keyring | Sequence[bytes | str]
+
+
+def keyring_from(
+    secret: Secret | None = None,
+    secret_file: str | os.PathLike[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> Keyring | None:
+    """The node's run secrets: ``secret`` (one, or a sequence of two: the signing one first),
+    else the file ``secret_file``, else ``$GRADIENTMAIL_SECRET``, else the file named by
+    ``$GRADIENTMAIL_SECRET_FILE``; None when there is none (an unsigned run). Text secrets are
+    UTF-8; a file or variable holds one secret, or two separated by a comma or a newline.
+    Raises ``ValueError`` for both arguments at once, or a secret under 16 bytes."""
+    if secret is not None and secret_file is not None:
+        raise ValueError("pass secret= or secret_file=, not both")
+    if isinstance(secret, Keyring):
+        return secret
+    if isinstance(secret, bytes | str):
+        return Keyring.of(secret)
+    if secret is not None:
+        return Keyring.of(*secret)
+    environ = os.environ if environ is None else environ
+    if secret_file is None and environ.get(SECRET_ENV):
+        return Keyring.parse(environ[SECRET_ENV])
+    path = secret_file if secret_file is not None else environ.get(SECRET_FILE_ENV)
+    if not path:
+        return None
+    try:
+        return Keyring.parse(Path(path).read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ValueError(f"secret file {os.fspath(path)!r}: {exc}") from None
+
+
+def check_signing(manifest: Manifest, keyring: Keyring | None) -> None:
+    """Refuse, with what to set, a node whose secret does not fit the run: none for a signed
+    run, or one for an unsigned run (a run's signing is fixed when it is created)."""
+    if manifest.signed and keyring is None:
+        raise ProtocolError(
+            f"the run is signed and this node has no secret: set {SECRET_ENV} (or "
+            f"{SECRET_FILE_ENV}), or pass secret= or secret_file= to Session or align"
+        )
+    if not manifest.signed and keyring is not None:
+        raise ProtocolError(
+            f"the run is not signed but this node has a secret (from secret=, secret_file=, "
+            f"{SECRET_ENV} or {SECRET_FILE_ENV}): remove it to join this run; whether a run "
+            "is signed is fixed by the node that creates it"
+        )
+
+
+async def read_manifest(exchange: Exchange) -> Manifest | None:
+    """The run's manifest, None when there is no run; ``ProtocolError`` when this node's
+    secret does not fit the run (``check_signing``) or the manifest does not verify."""
+    manifest = await exchange.manifest(verify=False)
+    if manifest is None:
+        return None
+    return await _verified(exchange, manifest)
+
+
+async def _verified(exchange: Exchange, manifest: Manifest) -> Manifest:
+    check_signing(manifest, exchange.keyring)
+    if exchange.keyring is None:
+        return manifest
+    try:
+        verified = await exchange.manifest()
+    except FormatError as exc:
+        raise ProtocolError(
+            f"the run's manifest does not verify with this node's secret (a wrong secret, or "
+            f"a forged manifest): {exc}"
+        ) from None
+    if verified is None:
+        raise ProtocolError(f"the manifest vanished from {exchange.mailbox.url}")
+    return verified
+
+
+async def resign_manifest(exchange: Exchange) -> Manifest:
+    """Rewrite the manifest signed with the first secret of ``exchange.keyring`` (the last step
+    of a key rotation, docs/security.md): it must verify under one of the keyring's secrets.
+    The content is unchanged, so readers racing the rewrite see a valid manifest either way."""
+    if exchange.keyring is None:
+        raise ValueError("resign_manifest needs an exchange with a keyring")
+    manifest = await read_manifest(exchange)
+    if manifest is None:
+        raise ProtocolError(f"{exchange.mailbox.url} holds no run (no manifest)")
+    await exchange.put_manifest(manifest)
+    return manifest
 
 
 def payload_limit(schema: Schema) -> int:
@@ -50,7 +158,7 @@ async def create_or_join(
 ) -> tuple[Manifest, bool]:
     """The run's manifest, creating the run from ``adapter``'s parameters if there is none.
     Returns the manifest and whether this node created it."""
-    manifest = await exchange.manifest()
+    manifest = await read_manifest(exchange)
     created = False
     if manifest is None:
         schema = adapter.schema
@@ -67,12 +175,14 @@ async def create_or_join(
             algorithm=algorithm,
             fragments=groups,
             init=tuple(refs),
+            signed=exchange.keyring is not None,
         )
         manifest = await exchange.create_manifest(ours)
         created = manifest is ours
         if not created:
             for ref in refs:
                 await exchange.delete(ref.key)
+            manifest = await _verified(exchange, manifest)
     check_schema(manifest.schema, adapter.schema)
     algorithm.require_same(manifest.algorithm)
     return manifest, created
@@ -95,7 +205,11 @@ async def read_fragment(
 
 async def newest_commit(exchange: Exchange, manifest: Manifest, fragment: int) -> Commit | None:
     """The newest commit of ``fragment`` (None: only the initial parameters), found from the
-    ``heads/`` hint and forward GETs."""
+    ``heads/`` hint and forward GETs.
+
+    The commits walked past are read without their signatures checked (only their chain is
+    used; after a key rotation the old ones verify under no secret held); the one returned is
+    verified in a signed run, so a forged newest commit raises ``FormatError``."""
     K = manifest.algorithm.fragments
     hint = await exchange.head(fragment)
     start: Commit | None = None
@@ -107,14 +221,17 @@ async def newest_commit(exchange: Exchange, manifest: Manifest, fragment: int) -
     r = start.round + K if start is not None else fragment
     newest = start
     while True:
-        commit = await exchange.commit(r)
+        commit = await exchange.commit(r, verify=False)
         if commit is None:
-            return newest
+            break
         if commit.fragment != fragment or commit.base_round != previous_round(
             manifest.algorithm, r
         ):
             raise ProtocolError(f"commit of round {r} does not continue fragment {fragment}")
         newest, r = commit, r + K
+    if newest is None or newest is start or exchange.keyring is None:
+        return newest
+    return await exchange.commit(newest.round)
 
 
 async def load_newest(

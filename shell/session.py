@@ -24,30 +24,50 @@ from gradientmail.clock import Clock, MonotonicClock
 from gradientmail.core import keys
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.codecs import Compression
-from gradientmail.core.errors import ProtocolError
+from gradientmail.core.errors import FormatError, ProtocolError
+from gradientmail.core.records import Lease
+from gradientmail.core.robust import DEFAULT_OUTLIER_FACTOR
+from gradientmail.core.signing import Keyring
 from gradientmail.events import Callback, Failed, Joined, Left, combined, log_events
 from gradientmail.exchange import Exchange
 from gradientmail.learner import Learner
 from gradientmail.ledger import Ledger
 from gradientmail.mailbox import Mailbox
-from gradientmail.run import check_schema, create_or_join, load_newest
+from gradientmail.run import (
+    Secret,
+    check_schema,
+    create_or_join,
+    keyring_from,
+    load_newest,
+    read_manifest,
+)
 from gradientmail.syncer import Syncer
 
 __all__ = ["Node", "Session", "align"]
 
 
-def align(model: object, *, mailbox: Mailbox, backend: Backend | None = None) -> int:
+def align(
+    model: object,
+    *,
+    mailbox: Mailbox,
+    backend: Backend | None = None,
+    secret: Secret | None = None,
+    secret_file: str | os.PathLike[str] | None = None,
+) -> int:
     """Load the run's newest committed parameters into ``model`` without joining the run.
 
     For evaluation or inference: nothing is written to the mailbox, so read access suffices.
     Returns the newest committed round the model now holds, -1 when the run has committed none
     yet; raises ``ProtocolError`` when ``mailbox`` holds no run and ``SchemaMismatch`` (naming
-    the parameters) when ``model`` does not match it.
+    the parameters) when ``model`` does not match it. A signed run needs its secret, as for
+    ``Session`` (``secret``, ``secret_file`` or ``GRADIENTMAIL_SECRET``), to verify what it
+    loads; ``ProtocolError`` says so when it is missing.
     """
+    keyring = keyring_from(secret, secret_file)
 
     async def read() -> int:
-        exchange = Exchange(mailbox, MonotonicClock())
-        manifest = await exchange.manifest()
+        exchange = Exchange(mailbox, MonotonicClock(), keyring=keyring)
+        manifest = await read_manifest(exchange)
         if manifest is None:
             raise ProtocolError(f"{mailbox.url} holds no run (no manifest)")
         adapter = _adapter(model, backend)
@@ -95,6 +115,8 @@ class Node:
         on_event: Callback = log_events,
         fragment_mapping: Mapping[str, int] | None = None,
         keep_rounds: int | None = 2,
+        keyring: Keyring | None = None,
+        outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
     ) -> None:
         keys.check_node(learner_id)
         if poll_interval <= 0 or lease_every <= 0:
@@ -109,13 +131,17 @@ class Node:
             raise ValueError(f"takeover ({takeover} s) must be at least lease_timeout")
         if compression not in ("off", "zstd"):
             raise ValueError(f"compression must be 'off' or 'zstd', got {compression!r}")
+        if outlier_factor is not None and not outlier_factor > 1.0:
+            raise ValueError(f"outlier_factor must be above 1 (or None: off), got {outlier_factor}")
         if backend is None:
             backend = default_backend() if isinstance(model, Adapter) else backend_for(model)
         self.backend = backend
         self.adapter = _adapter(model, backend)
         self.algorithm = algorithm
         self.node = learner_id
-        self.exchange = Exchange(mailbox, clock, node=learner_id, on_event=on_event)
+        self.exchange = Exchange(
+            mailbox, clock, node=learner_id, on_event=on_event, keyring=keyring
+        )
         self.on_event = on_event
         self._settings: dict[str, Any] = {
             "compression": compression,
@@ -125,6 +151,7 @@ class Node:
             "takeover": takeover if takeover is not None else lease_timeout,
             "mapping": fragment_mapping,
             "keep_rounds": keep_rounds,
+            "outlier_factor": outlier_factor,
         }
         self.learner: Learner | None = None
         self.syncer: Syncer | None = None
@@ -173,6 +200,7 @@ class Node:
             lease_timeout=s["lease_timeout"],
             takeover=s["takeover"],
             keep_rounds=s["keep_rounds"],
+            outlier_factor=s["outlier_factor"],
             on_event=self.on_event,
         )
         await self.syncer.tick()
@@ -199,17 +227,27 @@ class Node:
 
     async def _check_identity(self) -> None:
         """Decision 9: refuse to join under an id whose lease another live process renews."""
-        lease = await self.exchange.lease(self.node)
+        lease = await self._own_lease()
         if lease is None or lease.left:
             return
         s = self._settings
         await self.exchange.clock.sleep(s["lease_every"] * 1.5)
-        again = await self.exchange.lease(self.node)
+        again = await self._own_lease()
         if again is not None and not again.left and again.counter != lease.counter:
             raise ProtocolError(
                 f"learner id {self.node!r} is in use by a live process (nonce {again.nonce}); "
                 "choose another learner_id or stop that process"
             )
+
+    async def _own_lease(self) -> Lease | None:
+        """The lease under this node's id; one that does not verify (garbage, a forgery, or
+        signed under a retired secret) is reported and counts as absent: no live process of
+        this run wrote it, and this node's first renewal overwrites it."""
+        try:
+            return await self.exchange.lease(self.node)
+        except FormatError as exc:
+            self.exchange.reject(keys.lease(self.node), str(exc))
+            return None
 
 
 class Session:
@@ -253,6 +291,16 @@ class Session:
     keep_rounds
         Rounds of each fragment whose payloads stay in the mailbox after a newer commit
         (garbage collection, Decision 7); None keeps everything (for audits).
+    secret, secret_file
+        The run secret (bytes or text, at least 16 bytes; or two during a key rotation, the
+        signing one first), or a file holding it. Without either, ``GRADIENTMAIL_SECRET`` or
+        the file named by ``GRADIENTMAIL_SECRET_FILE``. A node with a secret creates a signed
+        run, signs every record it writes and rejects records that do not verify; it cannot
+        join an unsigned run, nor a node without one a signed run (docs/security.md).
+    outlier_factor
+        When closing a round of at least 3 deltas, exclude a delta whose L2 norm (normalized
+        to ``inner_steps`` steps) exceeds this many times the round's median; None turns the
+        rule off. Above 1; 10 by default.
     """
 
     def __init__(
@@ -272,6 +320,9 @@ class Session:
         callbacks: Sequence[Callback] = (log_events,),
         fragment_mapping: Mapping[str, int] | None = None,
         keep_rounds: int | None = 2,
+        secret: Secret | None = None,
+        secret_file: str | os.PathLike[str] | None = None,
+        outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
     ) -> None:
         self._mailbox = mailbox
         self._on_event = combined(*callbacks)
@@ -290,6 +341,8 @@ class Session:
             on_event=self._on_event,
             fragment_mapping=fragment_mapping,
             keep_rounds=keep_rounds,
+            keyring=keyring_from(secret, secret_file),
+            outlier_factor=outlier_factor,
         )
         self._poll_interval = poll_interval
         self._close_timeout = close_timeout

@@ -14,7 +14,7 @@ import time as _wall  # only for the Committed event's duration; never for decis
 import attrs
 
 from gradientmail.adapters.base import Backend, Tensors
-from gradientmail.core import keys
+from gradientmail.core import keys, robust
 from gradientmail.core import syncer as rules
 from gradientmail.core.codecs import Compression
 from gradientmail.core.errors import FormatError
@@ -27,7 +27,6 @@ from gradientmail.events import (
     Committed,
     Excluded,
     LeaseExpired,
-    Rejected,
     TookOver,
 )
 from gradientmail.exchange import Exchange, new_nonce
@@ -53,7 +52,10 @@ class Syncer:
         takeover: float,
         on_event: Callback,
         keep_rounds: int | None = 2,
+        outlier_factor: float | None = robust.DEFAULT_OUTLIER_FACTOR,
     ) -> None:
+        if outlier_factor is not None and not outlier_factor > 1.0:
+            raise ValueError(f"outlier_factor must be above 1 (or None: off), got {outlier_factor}")
         self.node = node
         self.lease_nonce = new_nonce()
         self._exchange = exchange
@@ -69,8 +71,10 @@ class Syncer:
         self._takeover = takeover
         self._on_event = on_event
         self._keep_rounds = keep_rounds
+        self._outlier_factor = outlier_factor
         self._leases = Leases()
         self._versions: dict[str, tuple[str, bool, str]] = {}
+        self._rejected_leases: dict[str, str] = {}  # node -> version: not read again
         self._watches: dict[int, rules.RoundWatch] = {}
         self._views: dict[int, tuple[str, ...]] = {}
         self._counter = 0
@@ -123,10 +127,13 @@ class Syncer:
             if known is not None and known[0] == version:
                 listing[node] = known
                 continue
+            if self._rejected_leases.get(node) == version:
+                continue
             try:
                 lease = await self._exchange.lease(node)
             except FormatError as exc:
-                self._on_event(Rejected(node=self.node, key=keys.lease(node), reason=str(exc)))
+                self._rejected_leases[node] = version
+                self._exchange.reject(keys.lease(node), str(exc))
                 continue
             if lease is None or lease.node != node:
                 continue
@@ -145,7 +152,10 @@ class Syncer:
             return
         watch = self._watches.get(r) or rules.RoundWatch(round=r)
         if watch.open_since is None or r not in self._views:
-            self._views[r] = tuple(await self._exchange.reporters(r))
+            listed = await self._exchange.reporters(r)
+            if self._exchange.keyring is not None:
+                listed = list(robust.members(listed, self._versions))
+            self._views[r] = tuple(listed)
         claims: tuple[Claim, ...] = ()
         if watch.open_since is not None:
             claims = tuple(await self._exchange.claims(r))
@@ -180,8 +190,12 @@ class Syncer:
 
     async def _close(self, r: int, attempt: int) -> None:
         claim = Claim(node=self.node, nonce=new_nonce(), round=r, attempt=attempt)
-        if not await self._exchange.claim(claim):
+        if not await self._exchange.claim(claim) and (
+            await self._exchange.claim_at(r, attempt) is not None
+        ):
             return
+        # Won, or the key holds no valid claim (a forgery or garbage, reported): a claim only
+        # spares duplicate work, and the create-only commit still commits the round once.
         event = TookOver if attempt > 0 else Claimed
         self._on_event(event(node=self.node, round=r, attempt=attempt))
         started = _wall.monotonic()
@@ -207,11 +221,22 @@ class Syncer:
         schema = self._manifest.fragment_schema(k)
         snapshots, deltas = await self._read_snapshots(r, schema)
         chosen, excluded = rules.include(self._algorithm, r, snapshots)
+        if self._outlier_factor is not None:
+            norms = {i.node: self._backend.norm(deltas[i.node]) for i in chosen}
+            excluded += robust.outliers(
+                chosen, norms, inner_steps=self._algorithm.inner_steps, factor=self._outlier_factor
+            )
         for node, reason in excluded:
             self._exclude(r, node, reason)
+        dropped = {node for node, _ in excluded}
+        chosen = [i for i in chosen if i.node not in dropped]
         if not chosen:
             return None
-        master, momentum = await self._outer_state(r, k, schema)
+        try:
+            master, momentum = await self._outer_state(r, k, schema)
+        except ValueError as exc:  # FormatError, SchemaMismatch: a corrupt base; retried later
+            self._exchange.reject(getattr(exc, "key", None) or keys.round_prefix(r), str(exc))
+            return None
         weights = rules.outer_weights(self._algorithm, chosen)
         gradient = self._backend.weighted_sum(
             [(w, deltas[i.node]) for w, i in zip(weights, chosen, strict=True)]
@@ -264,7 +289,12 @@ class Syncer:
         snapshots: list[tuple[str, Snapshot]] = []
         deltas: dict[str, Tensors] = {}
         limit = payload_limit(schema)
-        for node in await self._exchange.reporters(r):
+        bound = robust.snapshot_bound(schema)
+        for node, size in (await self._exchange.snapshot_sizes(r)).items():
+            too_big = robust.oversized(size, bound)
+            if too_big is not None:
+                self._exclude(r, node, too_big)
+                continue
             try:
                 found = await self._exchange.snapshot(r, node, limit=limit)
                 if found is None:

@@ -1,0 +1,126 @@
+"""A hostile writer with write access to the run's bucket, acting through a mailbox wrapper.
+
+Every time an honest node creates the first snapshot of a round, the writer first plants, under
+that round's keys: garbage, a forged snapshot (valid format, signed with a wrong secret, with a
+huge weight and a huge delta), a replay of an honest node's genuine snapshot of the fragment's
+previous round, an object far larger than any snapshot, a forged claim of attempt 0, a genuine
+claim of an earlier round replayed under attempt 1 and under a foreign key, and attempts to
+overwrite honest snapshots (create-only, so they fail); and under ``leases/``, a
+forged lease, a garbage lease and an oversized one. Writes that would change what honest nodes
+can do (deleting or overwriting their objects, squatting their snapshot or commit keys) are the
+documented limits of docs/security.md and are not made here.
+"""
+
+from __future__ import annotations
+
+import re
+
+from gradientmail.core import keys
+from gradientmail.core.codecs import compress
+from gradientmail.core.envelope import payload_digest, seal
+from gradientmail.core.records import Claim, Lease, Snapshot, to_bytes
+from gradientmail.core.robust import RECORD_BOUND
+from gradientmail.core.signing import Keyring
+from gradientmail.core.tensors import TensorBytes
+from gradientmail.mailbox import Mailbox, ObjectInfo, RequestStats
+
+WRONG = Keyring.of(b"not the run secret, but as long.")
+_SNAPSHOT = re.compile(r"rounds/(\d{20})/snapshots/(node-\d+)$")
+_CLAIM = re.compile(r"rounds/(\d{20})/claims/\d{4}$")
+
+
+class HostileMailbox:
+    """Forwards every call to ``inner``, planting hostile objects on the way (see the module)."""
+
+    def __init__(self, inner: Mailbox, *, fragments: int, oversized: int) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.stats: RequestStats = inner.stats
+        self.fragments = fragments
+        self.oversized = oversized
+        self.genuine: dict[str, bytes] = {}  # honest snapshot blobs, by key
+        self.planted: set[str] = set()
+        self.fetched: list[str] = []  # every key an honest node GETs
+        self._rounds: set[int] = set()
+
+    async def get(self, key: str) -> bytes | None:
+        self.fetched.append(key)
+        return await self.inner.get(key)
+
+    async def put(self, key: str, data: bytes) -> None:
+        await self.inner.put(key, data)
+
+    async def create(self, key: str, data: bytes) -> bool:
+        match = _SNAPSHOT.match(key)
+        if match is not None:
+            r = int(match.group(1))
+            if r not in self._rounds:
+                self._rounds.add(r)
+                await self._attack(r)
+        created = await self.inner.create(key, data)
+        if created and (match is not None or _CLAIM.match(key)):
+            self.genuine[key] = data
+        return created
+
+    async def list(self, prefix: str, *, after: str | None = None) -> list[ObjectInfo]:
+        return await self.inner.list(prefix, after=after)
+
+    async def delete(self, key: str) -> None:
+        await self.inner.delete(key)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    async def _plant(self, key: str, data: bytes, *, put: bool = False) -> None:
+        if put:
+            await self.inner.put(key, data)
+        else:
+            await self.inner.create(key, data)
+        self.planted.add(key)
+
+    async def _attack(self, r: int) -> None:
+        await self._plant(keys.snapshot(r, "mallory"), b"\x00garbage" * 64)
+        await self._plant(keys.snapshot(r, "eve"), self._forged_snapshot(r))
+        await self._plant(keys.snapshot(r, "oscar"), b"\x01" * self.oversized)
+        previous = r - self.fragments
+        replayable = [
+            k for k in sorted(self.genuine) if _SNAPSHOT.match(k) and _round_of(k) == previous
+        ]
+        if replayable:
+            # A genuine, validly signed record of the fragment's previous round, replayed.
+            await self._plant(keys.snapshot(r, "trent"), self.genuine[replayable[0]])
+            # Create-only: an honest node's key of an older round cannot be overwritten.
+            assert not await self.inner.create(replayable[0], self._forged_snapshot(r))
+        claims = [k for k in sorted(self.genuine) if _CLAIM.match(k)]
+        if claims:
+            # A genuine claim of an earlier round, replayed under a later attempt's key and
+            # under a key that is no claim key at all.
+            await self._plant(keys.claim(r, 1), self.genuine[claims[-1]])
+            await self._plant(f"{keys.claims(r)}bogus", self.genuine[claims[-1]])
+        claim = Claim(node="eve", nonce="e" * 16, round=r, attempt=0)
+        await self._plant(keys.claim(r, 0), seal(to_bytes(claim, WRONG)))
+        lease = Lease(node="eve", nonce="e" * 16, counter=r + 1)
+        await self._plant(keys.lease("eve"), seal(to_bytes(lease, WRONG)), put=True)
+        await self._plant(keys.lease("mallory"), b"\xff\xfe not a lease", put=True)
+        await self._plant(keys.lease("oscar"), b"\x02" * (RECORD_BOUND + 1), put=True)
+        await self._plant(f"{keys.round_prefix(r)}README", b"foreign object")
+
+    def _forged_snapshot(self, r: int) -> bytes:
+        big = TensorBytes(dtype="F32", shape=(8, 4), data=b"\x00\x00\x80\x7e" * 32)
+        payload = compress({"0.weight": big}, "off")
+        record = Snapshot(
+            node="eve",
+            nonce="e" * 16,
+            round=r,
+            base_round=r - self.fragments if r >= self.fragments else -1,
+            samples=10**9,
+            steps=1,
+            digest=payload_digest(payload),
+        )
+        return seal(to_bytes(record, WRONG), payload)
+
+
+def _round_of(key: str) -> int:
+    match = _SNAPSHOT.match(key) or _CLAIM.match(key)
+    assert match is not None
+    return int(match.group(1))

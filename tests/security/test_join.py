@@ -1,0 +1,125 @@
+"""Joining a signed run: a missing or wrong secret fails at once, naming what to set; a key
+rotation with two accepted secrets keeps the run going and ends on the new secret alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from examples import NEW, OLD, THIRD  # noqa: E402
+from virtual_signed import ALGORITHM, committed_rounds, make_model, run_nodes  # noqa: E402
+
+from gradientmail import ProtocolError, Session, align  # noqa: E402
+from gradientmail.adapters.torch import TorchAdapter  # noqa: E402
+from gradientmail.clock import MonotonicClock  # noqa: E402
+from gradientmail.core import keys  # noqa: E402
+from gradientmail.core.errors import FormatError  # noqa: E402
+from gradientmail.core.signing import Keyring  # noqa: E402
+from gradientmail.exchange import Exchange  # noqa: E402
+from gradientmail.memory import MemoryMailbox  # noqa: E402
+from gradientmail.run import SECRET_ENV, SECRET_FILE_ENV, create_or_join, resign_manifest  # noqa: E402
+
+QUICK = {"poll_interval": 0.05, "lease_every": 0.2, "lease_timeout": 1.0, "callbacks": ()}
+
+
+@pytest.fixture(autouse=True)
+def no_secret_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+
+
+def created(keyring: Keyring | None) -> MemoryMailbox:
+    mailbox = MemoryMailbox()
+    exchange = Exchange(mailbox, MonotonicClock(), keyring=keyring)
+    adapter = TorchAdapter(make_model())
+    asyncio.run(create_or_join(exchange, adapter, ALGORITHM, node="creator", compression="off"))
+    return mailbox
+
+
+def test_a_node_without_the_secret_cannot_join_a_signed_run() -> None:
+    mailbox = created(Keyring.of(OLD))
+    with pytest.raises(ProtocolError, match=f"run is signed .*set {SECRET_ENV}"):
+        Session(make_model(), algorithm=ALGORITHM, mailbox=mailbox, **QUICK)  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match="secret="):
+        align(make_model(), mailbox=mailbox)
+    assert [i.key for i in asyncio.run(mailbox.list("leases/"))] == [], "it wrote nothing"
+
+
+def test_a_node_with_the_wrong_secret_cannot_join_a_signed_run() -> None:
+    mailbox = created(Keyring.of(OLD))
+    with pytest.raises(ProtocolError, match="does not verify with this node's secret"):
+        Session(make_model(), algorithm=ALGORITHM, mailbox=mailbox, secret=THIRD, **QUICK)  # type: ignore[arg-type]
+
+
+def test_a_node_with_a_secret_cannot_join_an_unsigned_run() -> None:
+    mailbox = created(None)
+    with pytest.raises(ProtocolError, match="run is not signed but this node has a secret"):
+        Session(make_model(), algorithm=ALGORITHM, mailbox=mailbox, secret=OLD, **QUICK)  # type: ignore[arg-type]
+
+
+def test_the_secret_from_the_environment_joins_and_align_verifies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mailbox = created(Keyring.of(OLD))
+    monkeypatch.setenv(SECRET_ENV, OLD.decode())
+    with Session(make_model(), algorithm=ALGORITHM, mailbox=mailbox, **QUICK) as session:  # type: ignore[arg-type]
+        assert session.rounds_seen == -1
+    assert align(make_model(), mailbox=mailbox) == -1
+    monkeypatch.delenv(SECRET_ENV)
+    assert align(make_model(), mailbox=mailbox, secret=OLD) == -1
+
+
+def test_a_key_rotation_with_two_secrets_keeps_the_run_going() -> None:
+    rotating = [Keyring.of(OLD, NEW), Keyring.of(NEW, OLD), Keyring.of(OLD, NEW)]
+    # Step 1 (everyone accepts both) and 2 (some already sign with NEW), in one run.
+    store, events, _ = run_nodes(keyrings=rotating)
+    first = committed_rounds(events)
+    assert len(first) >= 8
+    signers = asyncio.run(_signers(store, first))
+    assert signers == {"old", "new"}, "commits under both secrets, all accepted"
+    # Step 3: everyone signs with NEW; every fragment commits under it.
+    store, events, _ = run_nodes(keyrings=[Keyring.of(NEW, OLD)] * 3, store=store)
+    second = committed_rounds(events)
+    assert second and min(second) > max(first)
+    # Step 4: re-sign the manifest, then drop OLD: NEW alone reads the run.
+    asyncio.run(resign_manifest(Exchange(store, MonotonicClock(), keyring=Keyring.of(NEW, OLD))))
+    model = make_model()
+    assert align(model, mailbox=store, secret=NEW) == max(second)
+    with pytest.raises(ProtocolError, match="does not verify"):
+        align(make_model(), mailbox=store, secret=OLD)
+
+
+async def _signers(store: MemoryMailbox, rounds: list[int]) -> set[str]:
+    found = set()
+    for name, secret in (("old", OLD), ("new", NEW)):
+        exchange = Exchange(store, MonotonicClock(), keyring=Keyring.of(secret))
+        for r in rounds:
+            try:
+                await exchange.commit(r)
+            except FormatError:
+                continue
+            found.add(name)
+    assert await store.get(keys.MANIFEST) is not None
+    return found
+
+
+def test_a_forged_lease_under_a_nodes_id_does_not_keep_it_out() -> None:
+    from gradientmail.core.envelope import seal
+    from gradientmail.core.records import Lease, to_bytes
+    from gradientmail.events import Joined, Rejected
+
+    forged = Lease(node="node-1", nonce="e" * 16, counter=7)
+
+    async def before(store: MemoryMailbox) -> None:
+        await store.put(keys.lease("node-1"), seal(to_bytes(forged, Keyring.of(THIRD))))
+
+    _, events, _ = run_nodes(before=before)
+    assert {e.node for e in events if isinstance(e, Joined)} == {"node-0", "node-1", "node-2"}
+    assert any(
+        isinstance(e, Rejected) and e.key == keys.lease("node-1") and "bad signature" in e.reason
+        for e in events
+    )
+    assert len(committed_rounds(events)) >= 8

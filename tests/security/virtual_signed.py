@@ -1,0 +1,115 @@
+"""Nodes of a (signed) run in one thread on virtual time, with a hook on the mailbox they share.
+
+Like ``tests/shell/virtual_run.py``, plus ``wrap``: the mailbox every node talks to may be a
+wrapper around the store, so a hostile writer acts from inside the nodes' own mailbox calls and
+never as a task of its own (a task would draw from the scheduler's shared tie-breaking random
+generator and change the honest interleaving by its mere existence).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import torch
+
+from gradientmail import DiLoCo
+from gradientmail.core.signing import Keyring
+from gradientmail.events import Committed, Event
+from gradientmail.mailbox import Mailbox
+from gradientmail.memory import MemoryMailbox
+from gradientmail.session import Node
+from gradientmail.testing.virtual import Scheduler, VirtualClock
+
+SECRET = b"the run secret, 32 bytes long..."
+KEYRING = Keyring.of(SECRET)
+ALGORITHM = DiLoCo(inner_steps=10, fragments=2, overlap_steps=1, grace=5.0)
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def run_nodes(
+    *,
+    algorithm: DiLoCo = ALGORITHM,
+    nodes: int = 3,
+    steps: int = 40,
+    seed: int = 0,
+    keyring: Keyring | None = KEYRING,
+    keyrings: Sequence[Keyring | None] | None = None,
+    store: MemoryMailbox | None = None,
+    wrap: Callable[[MemoryMailbox], Mailbox] | None = None,
+    before: Callable[[MemoryMailbox], Awaitable[None]] | None = None,
+    **node_options: Any,
+) -> tuple[MemoryMailbox, list[Event], list[torch.nn.Module]]:
+    """Run ``nodes`` nodes for ``steps`` steps each and close them; ``before`` may write to the
+    store first. ``keyrings`` gives each node its own keyring (else all hold ``keyring``);
+    ``store`` continues the run in an existing store. Returns the store (without the
+    wrapper), every event and the models."""
+    clock = VirtualClock()
+    scheduler = Scheduler(clock, seed=seed)
+    if store is None:
+        store = MemoryMailbox(f"memory://signed-{seed}-{id(clock)}", clock=clock)
+    else:
+        store = store.handle(clock=clock)
+    mailbox: Mailbox = wrap(store) if wrap is not None else store
+    events: list[Event] = []
+    models = [make_model() for _ in range(nodes)]
+    target = torch.randn(4, 1, generator=torch.Generator().manual_seed(seed))
+    options = {"poll_interval": 0.5, "lease_every": 2.0, "lease_timeout": 5.0, **node_options}
+
+    async def main(i: int) -> None:
+        model = models[i]
+        node = Node(
+            model,
+            algorithm=algorithm,
+            mailbox=mailbox,
+            clock=clock,
+            learner_id=f"node-{i}",
+            on_event=events.append,
+            keep_rounds=None,
+            keyring=keyring if keyrings is None else keyrings[i],
+            **options,
+        )
+        await clock.sleep(0.1 * i)
+        await node.join()
+        assert node.learner is not None and node.syncer is not None
+        scheduler.spawn(f"learner-{i}", node.learner.run())
+        scheduler.spawn(f"syncer-{i}", node.syncer.run())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        generator = torch.Generator().manual_seed(100 + i)
+        for _ in range(steps):
+            await clock.sleep(0.2 + 0.05 * i)
+            x = torch.randn(16, 4, generator=generator)
+            loss = ((model(x) - x @ target) ** 2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            node.learner.advance(16)
+            while node.learner.blocked() is not None:
+                await clock.sleep(0.1)
+        node.begin_close()
+        while not node.learner.done:
+            await clock.sleep(0.1)
+        node.finish()
+
+    async def start() -> None:
+        if before is not None:
+            await before(store)
+        for i in range(nodes):
+            scheduler.spawn(f"node-{i}", main(i))
+
+    scheduler.spawn("start", start())
+    scheduler.run(until=10_000)
+    assert scheduler.errors == [], scheduler.errors
+    return store, events, models
+
+
+def committed_rounds(events: list[Event]) -> list[int]:
+    return sorted(e.round for e in events if isinstance(e, Committed))
+
+
+def parameters(models: list[torch.nn.Module]) -> list[list[Any]]:
+    return [[p.tolist() for p in model.parameters()] for model in models]
