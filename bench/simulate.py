@@ -1,0 +1,172 @@
+"""The simulator's figures: its throughput, the request plan's cost against a naive plan that
+LISTs every poll, and a planted bug found.
+
+    python bench/simulate.py             # requests at 8, 64, 256 nodes; speed at 8 and 64
+    python bench/simulate.py --quick     # fewer nodes and rounds
+
+Requests (fixed workload, no faults): DiLoCo H=100, one fragment, 0.5 s per inner step (a
+round every 50 s), poll_interval 1 s, lease_every 10 s, lease_timeout 30 s, uniform mailbox
+latency with a 20 ms mean, tensor-free F32 model. Figures are per node per committed round,
+by kind and by purpose; the cost is in GETs at S3's prices (a LIST, PUT or create costs 12.5
+GETs, a DELETE nothing). The naive plan is ``SimMailbox(naive=True)``: every poll of a
+round's commit first LISTs the round (what a design without predictable commit keys does).
+
+Throughput uses the same settings with H=8 and leases every 2 s (a round every 4 s), since
+simulated node-rounds per second fall with the polls each round takes: simulated node-rounds
+(snapshots counted in a commit) per second of wall time and of this process's CPU time
+(steadier on a busy machine); "no latency" runs it with requests that do not yield.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+from typing import Any
+
+from gradientmail.testing.sim_config import SimConfig
+from gradientmail.testing.sim_world import Outcome, simulate
+from gradientmail.testing.simulate import Summary, report
+
+# Realistic proportions for the request figures: 50 s rounds, 1 s polls, 10 s lease renewals.
+REQUESTS: dict[str, Any] = {
+    "inner_steps": 100,
+    "fragments": 1,
+    "step_time": 0.5,
+    "poll_interval": 1.0,
+    "lease_every": 10.0,
+    "lease_timeout": 30.0,
+    "latency": "uniform",
+    "latency_mean": 0.02,
+    "grace": 1.0,
+    "keep_rounds": 2,
+}
+# Short rounds (4 s) for the throughput figures: simulated node-rounds, not polls, per second.
+SPEED: dict[str, Any] = {
+    **REQUESTS,
+    "inner_steps": 8,
+    "lease_every": 2.0,
+    "lease_timeout": 6.0,
+}
+
+
+def run(nodes: int, rounds: int, workload: dict[str, Any], **changes: Any) -> Outcome:
+    config = SimConfig(seed=1, nodes=nodes, rounds=rounds, **{**workload, **changes})
+    outcome = simulate(config, keep_trace=False)
+    if outcome.violations:
+        raise SystemExit(f"violations in the bench workload: {outcome.violations}")
+    return outcome
+
+
+def requests_table(sizes: list[tuple[int, int]]) -> None:
+    print("\nMailbox requests per node per committed round (polling plan vs naive LIST plan)")
+    print(
+        f"{'nodes':>5} {'plan':>7} {'GET':>7} {'LIST':>6} {'PUT':>5} {'create':>6} "
+        f"{'DELETE':>6} {'all':>7} {'cost (GETs)':>11} {'naive/polled cost':>17}"
+    )
+    for nodes, rounds in sizes:
+        costs = {}
+        for plan in ("polled", "naive"):
+            summary = Summary()
+            summary.add(run(nodes, rounds, REQUESTS, naive=plan == "naive"))
+            per = summary.per_node_round()
+            costs[plan] = per["cost"]
+            ratio = f"{costs['naive'] / costs['polled']:.2f}x" if plan == "naive" else ""
+            print(
+                f"{nodes:>5} {plan:>7} {per['get']:>7.2f} {per['list']:>6.2f} "
+                f"{per['put']:>5.2f} {per['create']:>6.2f} {per['delete']:>6.2f} "
+                f"{per['all']:>7.2f} {per['cost']:>11.1f} {ratio:>17}",
+                flush=True,
+            )
+            top = sorted(summary.breakdown().items(), key=lambda item: -item[1])[:8]
+            print(" " * 14 + "by purpose: " + ", ".join(f"{k} {v:.2f}" for k, v in top))
+
+
+def throughput_table(sizes: list[tuple[int, int]]) -> None:
+    print("\nSimulator throughput (tensor-free, no faults)")
+    print(
+        f"{'nodes':>5} {'rounds':>6} {'node-rounds':>11} {'wall s':>7} {'CPU s':>6} "
+        f"{'per wall s':>10} {'per CPU s':>9} {'per CPU s (no latency)':>22} {'events/CPU s':>12}"
+    )
+    for nodes, rounds in sizes:
+        o = run(nodes, rounds, SPEED)
+        flat = run(nodes, rounds, SPEED, latency="none")
+        print(
+            f"{nodes:>5} {rounds:>6} {o.node_rounds:>11} {o.wall:>7.1f} {o.cpu:>6.1f} "
+            f"{o.node_rounds / o.wall:>10.0f} {o.node_rounds / o.cpu:>9.0f} "
+            f"{flat.node_rounds / flat.cpu:>22.0f} {o.events / o.cpu:>12.0f}",
+            flush=True,
+        )
+
+
+def profile(nodes: int, rounds: int) -> None:
+    print(f"\nWhere the time goes ({nodes} nodes, {rounds} rounds; cumulative CPU share)")
+    profiler = cProfile.Profile()
+    profiler.runcall(run, nodes, rounds, SPEED)
+    stats = pstats.Stats(profiler)
+    total = max(stats.total_tt, 1e-9)  # type: ignore[attr-defined]
+    rows = []
+    for (path, _, name), (_, _, _, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]
+        for label, module, function in PARTS:
+            if path.endswith(module) and name == function:
+                rows.append((cumulative / total, label))
+    for share, label in sorted(rows, reverse=True):
+        print(f"  {share:6.1%}  {label}")
+
+
+PARTS = [
+    ("syncer: lease observation (LIST + a GET per changed lease)", "syncer.py", "_observe_leases"),
+    ("syncer: closing rounds (LIST snapshots/claims, outer step)", "syncer.py", "_round"),
+    ("learner: commit polls and merges handed over", "learner.py", "_poll"),
+    ("learner: uploads (encode, seal, create)", "learner.py", "_upload"),
+    ("exchange: record parsing (read_record)", "records.py", "read_record"),
+    ("memory mailbox: LIST (sorts every key)", "memory.py", "list"),
+    ("simulator: invariant checks at each write", "sim_checks.py", "landed"),
+    ("simulator: commit recomputation", "sim_checks.py", "_recompute"),
+    ("simulator: end-of-run audit", "audit.py", "audit"),
+    ("training side: inner steps + advance", "sim_world.py", "_train"),
+]
+
+
+def planted() -> None:
+    print("\nA planted bug: the takeover timeout disabled (--plant takeover-now)")
+    config = SimConfig(
+        seed=0,
+        nodes=4,
+        rounds=8,
+        plant="takeover-now",
+        **{
+            **SPEED,
+            "step_time": 0.2,
+            "lease_every": 1.0,
+            "lease_timeout": 3.0,
+            "poll_interval": 0.25,
+            "latency_mean": 0.01,
+            "keep_rounds": None,
+        },
+    )
+    outcome = simulate(config)
+    if not outcome.violations:
+        raise SystemExit("the planted bug went unnoticed")
+    print("\n".join(report(outcome, shrink_budget=60.0)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="8 and 64 nodes, fewer rounds")
+    args = parser.parse_args(argv)
+    if args.quick:
+        requests_table([(8, 4), (64, 2)])
+        throughput_table([(8, 20), (64, 5)])
+        profile(64, 5)
+    else:
+        requests_table([(8, 10), (64, 5), (256, 2)])
+        throughput_table([(8, 40), (64, 10)])
+        profile(64, 10)
+    planted()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

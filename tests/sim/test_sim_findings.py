@@ -1,0 +1,121 @@
+"""What the simulator finds: planted bugs (Decision 12: each broken safeguard must be caught),
+and the protocol bugs it found in the code as it stands (strict xfails: each starts passing,
+and so failing, once its proposed fix lands; then delete the marker and the matching line of
+``sim_config.KNOWN_WORKAROUNDS``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gradientmail.testing.sim_config import SimConfig
+from gradientmail.testing.sim_world import Outcome, simulate
+from gradientmail.testing.simulate import replay_command, run_seed
+
+# A small, fast cluster: 4 nodes, short leases, a round every 8 steps of 0.2 s.
+BASE: dict[str, Any] = {
+    "nodes": 4,
+    "rounds": 8,
+    "inner_steps": 8,
+    "step_time": 0.2,
+    "lease_every": 1.0,
+    "lease_timeout": 3.0,
+    "poll_interval": 0.25,
+    "latency": "uniform",
+    "latency_mean": 0.01,
+    "keep_rounds": None,
+}
+
+
+def first_found(kind: str, seeds: range, **settings: Any) -> Outcome | None:
+    """The first run among ``seeds`` that shows a violation of ``kind``."""
+    for seed in seeds:
+        outcome = simulate(SimConfig(seed=seed, **{**BASE, **settings}), keep_trace=False)
+        if any(v.kind == kind for v in outcome.violations):
+            return outcome
+    return None
+
+
+@pytest.mark.parametrize(
+    ("plant", "kind", "settings"),
+    [
+        # Decision 2's takeover timeout disabled: attempt 1 opens as soon as attempt 0 is seen.
+        ("takeover-now", "takeover-early", {}),
+        # The learner told its snapshot was never included: it rebases counted progress.
+        ("rebase-included", "rebased-included", {}),
+        # The commit record overwritten instead of created once; needs a stalled closer.
+        ("commit-overwrite", "commit-twice", {"pause_on_write": 0.02, "pause_length": 2.0}),
+    ],
+)
+def test_a_planted_bug_is_found_with_a_replayable_seed(
+    plant: str, kind: str, settings: dict[str, Any]
+) -> None:
+    found = first_found(kind, range(6), plant=plant, **settings)
+    assert found is not None, f"planted {plant} went unnoticed in 6 seeds"
+    again = simulate(found.config, keep_trace=False)
+    assert again.digest == found.digest and again.violations == found.violations
+    assert f"--plant {plant}" in replay_command(found.config, {})
+
+
+def test_without_the_plant_the_same_runs_are_clean() -> None:
+    for seed in range(3):
+        outcome = simulate(SimConfig(seed=seed, **BASE), keep_trace=False)
+        assert outcome.violations == (), outcome.violations
+        assert outcome.committed >= 8 and outcome.node_rounds >= 4 * 8
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="F1: core.leases.observe forgets a lease missing from one LIST, so a live claimant "
+    "looks expired at once and is taken over without a timeout (fix proposed)",
+)
+def test_f1_a_lease_missing_from_one_listing_does_not_expire_it() -> None:
+    # The swarm seeds that found it (8 nodes, 10 rounds; stale_list=0.3 in both).
+    for seed in (9, 24):
+        outcome = run_seed(seed, nodes=8, rounds=10, keep_trace=False)
+        assert all(v.kind != "takeover-early" for v in outcome.violations), outcome.violations
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="F2: core.leases.observe resets every timer when its polls are more than lease_every "
+    "apart, which is always when poll_interval >= lease_every: dead nodes never expire and a "
+    "round that waits for them never closes (fix proposed)",
+)
+def test_f2_a_dead_node_expires_however_slowly_its_observers_poll() -> None:
+    settings = {
+        "rounds": 10,
+        "poll_interval": 1.0,
+        "quorum_size": 4,
+        "crash_rate": 20.0,
+        "restart": 0.0,
+    }
+    assert first_found("liveness", range(3), **settings) is None
+
+
+def test_f4_a_stalled_closer_survives_its_inputs_being_collected() -> None:
+    settings = {
+        "rounds": 30,
+        "inner_steps": 4,
+        "keep_rounds": 2,
+        "pause_rate": 30.0,
+        "pause_length": 4.0,
+    }
+    assert first_found("node-failed", range(1, 4), **settings) is None
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="F5: collection deletes a committed round's claims, so a closer stalled past it "
+    "wins a collected claim; audit reports a commit under another node's claim (fix proposed)",
+)
+def test_f5_a_collected_claim_is_not_won_again() -> None:
+    settings = {
+        "rounds": 12,
+        "inner_steps": 4,
+        "keep_rounds": 2,
+        "pause_on_write": 0.02,
+        "pause_length": 6.0,
+    }
+    assert first_found("audit", range(3), **settings) is None

@@ -1,0 +1,114 @@
+"""The simulator's scheduler: virtual time, seeded ties, processes that pause and crash."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradientmail.testing.sim_scheduler import NodeClock, Scheduler, SimClock
+
+
+def make(seed: int = 0) -> tuple[SimClock, Scheduler, list[tuple[float, str]]]:
+    clock = SimClock()
+    return clock, Scheduler(clock, seed=seed), []
+
+
+async def ticker(
+    clock: SimClock | NodeClock, log: list[tuple[float, str]], name: str, every: float, times: int
+) -> None:
+    for _ in range(times):
+        await clock.sleep(every)
+        log.append((round(clock.now(), 9), name))
+
+
+def test_time_jumps_to_the_next_wake_up_and_ties_follow_the_seed() -> None:
+    orders = set()
+    for seed in range(8):
+        clock, scheduler, log = make(seed)
+        for name in "abc":
+            scheduler.spawn(scheduler.process(name), name, ticker(clock, log, name, 1.0, 2))
+        scheduler.run(until=100)
+        assert [t for t, _ in log] == [1.0] * 3 + [2.0] * 3
+        assert clock.time == 2.0  # no idle time advanced past the last task
+        orders.add(tuple(n for _, n in log))
+    assert len(orders) > 1, "the seed decides the order of tasks that wake together"
+
+
+def test_the_same_seed_replays_the_same_digest() -> None:
+    digests = []
+    for seed in (3, 3, 4):
+        clock, scheduler, log = make(seed)
+        for name in "abcd":
+            scheduler.spawn(scheduler.process(name), name, ticker(clock, log, name, 0.5, 3))
+        scheduler.run(until=100)
+        digests.append(scheduler.digest)
+    assert digests[0] == digests[1] != digests[2]
+
+
+def test_a_pause_holds_every_task_of_the_process_and_only_those() -> None:
+    clock, scheduler, log = make()
+    paused, other = scheduler.process("p"), scheduler.process("q")
+    scheduler.spawn(paused, "p1", ticker(clock, log, "p1", 1.0, 3))
+    scheduler.spawn(paused, "p2", ticker(clock, log, "p2", 1.5, 2))
+    scheduler.spawn(other, "q", ticker(clock, log, "q", 1.0, 3))
+    scheduler.run(until=1.2)
+    scheduler.pause(paused, 10.0)
+    scheduler.run(until=100)
+    assert [t for t, n in log if n == "q"] == [1.0, 2.0, 3.0]
+    assert [t for t, n in log if n.startswith("p")] == [1.0, 10.0, 10.0, 11.0, 11.5]
+
+
+def test_a_crash_drops_every_task_where_it_stands() -> None:
+    clock, scheduler, log = make()
+    victim = scheduler.process("v")
+    task = scheduler.spawn(victim, "v", ticker(clock, log, "v", 1.0, 5))
+    scheduler.spawn(scheduler.process("w"), "w", ticker(clock, log, "w", 1.0, 5))
+    scheduler.run(until=2.5)
+    scheduler.crash(victim)
+    scheduler.run(until=100)
+    assert [t for t, n in log if n == "v"] == [1.0, 2.0]
+    assert len([n for _, n in log if n == "w"]) == 5
+    assert task.done and task.error is None and scheduler.errors == []
+    late = scheduler.spawn(victim, "late", ticker(clock, log, "late", 1.0, 1))
+    assert late.done, "a crashed process starts nothing new"
+
+
+def test_after_wakes_a_task_right_after_another_runs() -> None:
+    clock, scheduler, log = make()
+    process = scheduler.process("p")
+    loop = scheduler.spawn(process, "loop", ticker(clock, log, "loop", 2.0, 3))
+
+    async def waiter() -> None:
+        for _ in range(3):
+            await scheduler.after(loop)
+            log.append((clock.now(), "waiter"))
+        await scheduler.after(loop)  # the loop is done by then: returns at once
+        log.append((clock.now(), "end"))
+
+    scheduler.spawn(process, "waiter", waiter())
+    scheduler.run(until=100)
+    woken = [t for t, n in log if n == "waiter"]
+    # Each wake-up is at one of the loop's steps (0: its start, which ties with the waiter's
+    # own start), one per step, never in between.
+    assert woken in ([0.0, 2.0, 4.0], [2.0, 4.0, 6.0])
+    assert log[-1] == (6.0, "end")
+
+
+def test_node_clocks_drift_and_only_sleeps_may_be_awaited() -> None:
+    clock, scheduler, log = make()
+    fast = NodeClock(clock, offset=100.0, rate=1.01)
+    scheduler.spawn(scheduler.process("n"), "n", ticker(fast, log, "n", 1.01, 1))
+    scheduler.run(until=100)
+    assert log == [(101.01, "n")] and clock.time == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="rate"):
+        NodeClock(clock, rate=0.0)
+
+    class Foreign:
+        def __await__(self):  # type: ignore[no-untyped-def]
+            yield "not a sleep"
+
+    async def bad() -> None:
+        await Foreign()
+
+    scheduler.spawn(scheduler.process("b"), "b", bad())
+    with pytest.raises(TypeError, match="only clock sleeps"):
+        scheduler.run(until=200)
