@@ -170,7 +170,9 @@ def test_late_joiner_and_full_restart(tmp_path: Path, cluster_factory: type[Clus
     second.start("node-0", 0, steps=60)
     second.start("node-1", 1, steps=60)
     again = second.wait()
-    assert all(r["joined_rounds_seen"] == before for r in again.values())
+    # Each resumes from the newest commit it finds; the first may commit before the second joins.
+    assert all(r["joined_rounds_seen"] >= before for r in again.values())
+    assert min(r["joined_rounds_seen"] for r in again.values()) == before
     report = audit(mailbox_from_url(url), backend=TorchBackend())
     assert max(report.rounds) > before
     assert set(range(max(report.rounds) + 1)) == set(report.rounds), "no committed round lost"
