@@ -97,11 +97,12 @@ def report(result: Result, *, walk: bool) -> str:
     ]
     v = result.violation
     if v is None:
-        done = (
-            "complete"
-            if result.complete or walk
-            else "INCOMPLETE: stopped at --max-states (raise it, add --symmetry, or --walk)"
-        )
+        if walk:
+            done = "random walks: a sample, not a proof"
+        elif result.complete:
+            done = "complete"
+        else:
+            done = "INCOMPLETE: stopped at --max-states (raise it, add --symmetry, or --walk)"
         lines.append(f"result:           no violation ({done})")
         return "\n".join(lines)
     lines.append(f"result:           VIOLATION ({v.kind}) {v.name}: {v.message}")

@@ -16,6 +16,8 @@ show that the stateful machine and the explorer catch it.
 
 from __future__ import annotations
 
+import attrs
+
 from gradientmail.core import learner as learner_rules
 from gradientmail.core import syncer as syncer_rules
 from gradientmail.core.learner import LearnerState
@@ -26,10 +28,21 @@ __all__ = ["commit_overwrites", "decide", "on_commit", "skips_readback"]
 
 
 def on_commit(
-    config: Config, state: LearnerState, *, round: int, included: bool
+    config: Config, state: LearnerState, *, round: int, included: bool, counted: bool
 ) -> tuple[LearnerState, list[learner_rules.Effect]]:
+    """``rules.on_commit``, or a variant. ``counted``: whether the node's snapshot in flight
+    was counted (by this commit, or by a skipped one); only the proposed fix reads it."""
     if "rebase-included" in config.bugs:
         included = False
+    if "jump-counted" in config.fixes and counted and not included:
+        # The proposed fix of core.learner.on_commit (a reader that skipped collected commits
+        # keeps the progress its counted snapshot carried): ``mine`` holds when the snapshot
+        # in flight was counted, whether by ``round`` or by an earlier, skipped round.
+        k = round % config.algorithm.fragments
+        fragments = list(state.fragments)
+        fragments[k] = attrs.evolve(fragments[k], outstanding=round)
+        state = attrs.evolve(state, fragments=tuple(fragments))
+        included = True
     return learner_rules.on_commit(state, config.algorithm, round=round, included=included)
 
 

@@ -15,7 +15,7 @@ import attrs
 
 from gradientmail.core.algorithm import DiLoCo
 
-__all__ = ["BUGS", "Config"]
+__all__ = ["BUGS", "FIXES", "Config"]
 
 # Planted bugs (design Decision 12): each swaps one rule for a broken variant; see specs/bugs.py.
 BUGS = frozenset(
@@ -29,9 +29,18 @@ BUGS = frozenset(
 )
 
 
-def _bugs(instance: object, attribute: attrs.Attribute[frozenset[str]], value: object) -> None:
-    if not isinstance(value, frozenset) or not value <= BUGS:
-        raise ValueError(f"bugs must be a frozenset of {sorted(BUGS)}, got {value!r}")
+# Proposed fixes of real bugs the explorer found, to check them before the core changes.
+FIXES = frozenset({"jump-counted"})
+
+
+def _one_of(allowed: frozenset[str]) -> Callable[[Any, attrs.Attribute[frozenset[str]], Any], None]:
+    def check(instance: object, attribute: attrs.Attribute[frozenset[str]], value: object) -> None:
+        if not isinstance(value, frozenset) or not value <= allowed:
+            raise ValueError(
+                f"{attribute.name} must be a frozenset of {sorted(allowed)}, got {value!r}"
+            )
+
+    return check
 
 
 def _at_least(low: int) -> Callable[[Any, attrs.Attribute[int], Any], None]:
@@ -77,6 +86,8 @@ class Config:
         Whether nodes may leave (``Session.close``).
     bugs
         Planted bugs to switch on (``BUGS``).
+    fixes
+        Proposed fixes of real bugs to switch on (``FIXES``, see specs/bugs.py).
     """
 
     nodes: int = attrs.field(default=2, validator=_at_least(1))
@@ -97,7 +108,8 @@ class Config:
     takeover: int = attrs.field(default=3, validator=_at_least(1))
     drift: int = attrs.field(default=0, validator=_at_least(0))
     leave: bool = True
-    bugs: frozenset[str] = attrs.field(default=frozenset(), validator=_bugs)
+    bugs: frozenset[str] = attrs.field(default=frozenset(), validator=_one_of(BUGS))
+    fixes: frozenset[str] = attrs.field(default=frozenset(), validator=_one_of(FIXES))
     algorithm: DiLoCo = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -155,4 +167,6 @@ class Config:
             parts.append("no-leave")
         if self.bugs:
             parts.append(f"bugs={','.join(sorted(self.bugs))}")
+        if self.fixes:
+            parts.append(f"fixes={','.join(sorted(self.fixes))}")
         return " ".join(parts)

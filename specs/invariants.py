@@ -160,6 +160,18 @@ def single_claim(world: World) -> str | None:
     return None
 
 
+def watches_end(world: World) -> str | None:
+    """A syncer stops watching a round once it is committed (Decision 8: LISTs are spent
+    only on open rounds): a round the node's learner has polled past must be one its ledger
+    knows committed, or the syncer would LIST it every poll, forever."""
+    K = world.config.fragments
+    for i, node in enumerate(world.nodes):
+        for r in node.watched:
+            if node.next_poll and r < node.next_poll[r % K] and node.known_commit(r) is None:
+                return f"n{i} watches round {r} forever: its learner skipped that commit"
+    return None
+
+
 INVARIANTS: dict[str, Callable[[World], str | None]] = {
     "commit-once": commit_once,
     "included-exist": _on_mailbox(included_exist),
@@ -167,6 +179,7 @@ INVARIANTS: dict[str, Callable[[World], str | None]] = {
     "samples-once": _on_mailbox(samples_once),
     "merges-forward": merges_forward,
     "merged-committed": merged_committed,
+    "watches-end": watches_end,
     "single-claim": _on_mailbox(single_claim),
 }
 

@@ -137,6 +137,10 @@ class WorldMachine(RuleBasedStateMachine):
     def merged_committed(self) -> None:
         self._holds("merged-committed")
 
+    @invariant()
+    def watches_end(self) -> None:
+        self._holds("watches-end")
+
 
 def _some(test: Callable[[NodeState], object]) -> Callable[[ProtocolMachine], bool]:
     return lambda machine: any(test(node) for node in machine.world.nodes)

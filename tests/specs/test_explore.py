@@ -211,3 +211,64 @@ def _reachable(config: Config, *, symmetry: bool) -> list[World]:
                     nxt.append(after)
         frontier = nxt
     return list(seen.values())
+
+
+# Real bugs the random walk found (shortest known traces), both about a reader that skips
+# commits whose payloads were collected (Decision 7), as the shell's ``Learner._poll_fragment``
+# does. SKIP_COUNTED: n1 commits round 0 with its own snapshot and pauses before polling it; n0
+# commits rounds 1 and 2, which collects round 0's payloads. n1 resumes, skips to round 2, and
+# ``on_commit(round=2, included=False)`` takes its counted snapshot for a missed one: it merges
+# "since base" and rebases those samples into round 3, so they count twice.
+SKIP_COUNTED = [
+    Event("join", 1), Event("train", 1), Event("upload", 1), Event("tick"), Event("sync", 1),
+    Event("commit", 1), Event("join", 0), Event("train", 0), Event("upload", 0),
+    Event("pause", 1), Event("tick"), Event("sync", 0), Event("commit", 0), Event("poll", 0),
+    Event("merge", 0), Event("train", 0), Event("upload", 0), Event("tick"), Event("sync", 0),
+    Event("commit", 0), Event("poll", 0), Event("merge", 0), Event("train", 0),
+    Event("resume", 1), Event("poll", 1), Event("sync", 1), Event("merge", 1),
+]  # fmt: skip
+# SKIP_WATCHED: n1 publishes into round 0 late, after n0 committed rounds 0 to 2 and collected
+# round 0; n1's learner skips to round 2, but its ledger never learns that round 0 committed,
+# so its syncer watches round 0 (a LIST every poll, and new claims) forever.
+SKIP_WATCHED = [
+    Event("join", 0), Event("train", 0), Event("upload", 0), Event("tick"), Event("join", 1),
+    Event("sync", 0), Event("train", 1), Event("pause", 1), Event("commit", 0), Event("poll", 0),
+    Event("merge", 0), Event("tick"), Event("train", 0), Event("upload", 0), Event("sync", 0),
+    Event("commit", 0), Event("poll", 0), Event("merge", 0), Event("tick"), Event("train", 0),
+    Event("upload", 0), Event("resume", 1), Event("sync", 0), Event("sync", 1),
+    Event("commit", 0), Event("upload", 1), Event("poll", 1),
+]  # fmt: skip
+SKIPS = {
+    "counted": (
+        SKIP_COUNTED,
+        "merges-forward",
+        "n1 merged round 2 since its base though the commit counts its snapshot",
+    ),
+    "watched": (
+        SKIP_WATCHED,
+        "watches-end",
+        "n1 watches round 0 forever: its learner skipped that commit",
+    ),
+}
+SKIPPING = Config(nodes=2, rounds=4, pauses=1)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="real bug: a reader that skips collected commits rebases a counted snapshot and "
+    "keeps watching the skipped rounds (fix proposed in specs/bugs.py, 'jump-counted'); "
+    "remove this mark once core.learner.on_commit and shell/learner.py are fixed",
+)
+@pytest.mark.parametrize("case", sorted(SKIPS))
+def test_skipping_collected_commits(case: str) -> None:
+    worlds = replay(SKIPPING, SKIPS[case][0])
+    assert [check(world) for world in worlds] == [None] * len(worlds)
+
+
+@pytest.mark.parametrize("case", sorted(SKIPS))
+def test_the_proposed_fix_of_skipping(case: str) -> None:
+    events, name, message = SKIPS[case]
+    assert check(replay(SKIPPING, events)[-1]) == (name, message)
+    fixed = replay(attrs.evolve(SKIPPING, fixes=frozenset({"jump-counted"})), events)
+    assert [check(world) for world in fixed] == [None] * len(fixed)
+    assert settle(fixed[-1]).ok
