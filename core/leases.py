@@ -1,11 +1,14 @@
 """Liveness from leases, timed on the observer's own monotonic clock.
 
 A node renews its lease (``leases/<node>``) every ``lease_every`` seconds. Observers never compare
-clocks across machines: they note when *they* saw a lease's version change, and call a node
-expired once they have seen it unchanged for ``lease_timeout`` seconds while polling at least every
-``lease_every`` seconds. A gap in the observer's own polling (its process was paused, say by a
-long GC or a suspended VM) restarts every timer, so a pause never makes others look dead
-(Decision 3).
+clocks across machines: they note when *they* first saw each version of a lease, and call a node
+expired once a poll shows that version unchanged ``lease_timeout`` seconds after it was first seen.
+
+Expiry is judged at the observer's last poll, never at "now": an observer that was paused (a long
+GC, a suspended VM) sees nobody age until it has polled again, and that poll shows every lease
+renewed meanwhile as changed, so a pause never makes others look dead (Decision 3, as refined in
+docs/decisions.md). A lease missing from one listing is kept as last seen, so a stale or partial
+LIST cannot expire a live node at once; it ages like any unchanged lease.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ __all__ = ["Leases", "Observed", "observe"]
 @attrs.frozen(kw_only=True)
 class Observed:
     """What an observer knows of one lease: its version (etag), whether it says ``left``, its
-    process nonce, and when (observer's clock, seconds) the version was last seen to change."""
+    process nonce, and when (observer's clock, seconds) the version was first seen."""
 
     version: str
     left: bool
@@ -30,7 +33,7 @@ class Observed:
 
 @attrs.frozen(kw_only=True)
 class Leases:
-    """An observer's view of every lease in the run."""
+    """An observer's view of every lease in the run, as of its poll at ``polled_at`` seconds."""
 
     seen: tuple[tuple[str, Observed], ...] = ()
     polled_at: float | None = None
@@ -39,15 +42,19 @@ class Leases:
     def by_node(self) -> dict[str, Observed]:
         return dict(self.seen)
 
+    def _at(self, now: float) -> float:
+        return now if self.polled_at is None else min(now, self.polled_at)
+
     def expired(self, node: str, *, now: float, lease_timeout: float) -> bool:
-        """True once ``node``'s lease has been seen unchanged for ``lease_timeout`` seconds,
-        or when it has no lease at all."""
+        """True once a poll has shown ``node``'s lease unchanged for ``lease_timeout`` seconds,
+        or when it has no lease at all. Judged at the last poll (no later than ``now``)."""
         observed = self.by_node.get(node)
-        return observed is None or now - observed.changed_at >= lease_timeout
+        return observed is None or self._at(now) - observed.changed_at >= lease_timeout
 
     def live(self, *, now: float, lease_timeout: float) -> frozenset[str]:
         """Nodes whose lease has not expired, whether or not they have left."""
-        return frozenset(n for n, o in self.seen if now - o.changed_at < lease_timeout)
+        at = self._at(now)
+        return frozenset(n for n, o in self.seen if at - o.changed_at < lease_timeout)
 
     def active(self, *, now: float, lease_timeout: float) -> frozenset[str]:
         """Live nodes that have not left: the ones a round may wait for."""
@@ -65,23 +72,15 @@ def observe(
     listing: Mapping[str, tuple[str, bool, str]],
     *,
     now: float,
-    lease_every: float,
 ) -> Leases:
-    """Fold one poll of ``leases/`` into the view.
+    """Fold one poll of ``leases/``, made at ``now`` (observer's clock, seconds), into the view.
 
-    ``listing`` maps each node with a lease to ``(version, left, nonce)``. A lease no longer
-    listed is forgotten. When the previous poll is more than ``lease_every`` seconds ago, this
-    observer was not watching, so every node counts as changed now.
+    ``listing`` maps each listed node to ``(version, left, nonce)``. A new version counts as a
+    change now; a lease not listed keeps what was last seen of it (and so ages).
     """
-    gap = leases.polled_at is not None and now - leases.polled_at > lease_every
-    before = leases.by_node
-    seen = []
-    for node in sorted(listing):
-        version, left, nonce = listing[node]
-        old = before.get(node)
-        changed = gap or old is None or old.version != version
-        changed_at = now if changed or old is None else old.changed_at
-        seen.append(
-            (node, Observed(version=version, left=left, nonce=nonce, changed_at=changed_at))
-        )
-    return Leases(seen=tuple(seen), polled_at=now)
+    seen = leases.by_node
+    for node, (version, left, nonce) in listing.items():
+        old = seen.get(node)
+        changed_at = old.changed_at if old is not None and old.version == version else now
+        seen[node] = Observed(version=version, left=left, nonce=nonce, changed_at=changed_at)
+    return Leases(seen=tuple(sorted(seen.items())), polled_at=now)

@@ -202,11 +202,18 @@ class Lease:
     left: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"node": self.node, "nonce": self.nonce, "counter": self.counter, "left": self.left}
+        # "left" is written only when true, so a released lease is 12 bytes longer than a
+        # renewal could make it (counters gain at most a digit per renewal): observers learn
+        # a release from a LIST's sizes without a GET (Decision 8).
+        found = {"node": self.node, "nonce": self.nonce, "counter": self.counter}
+        return found | {"left": True} if self.left else found
 
     @classmethod
     def from_json(cls, value: object) -> Lease:
-        return cls(**_fields(value, {"node": str, "nonce": str, "counter": int, "left": bool}))
+        spec: dict[str, type] = {"node": str, "nonce": str, "counter": int}
+        if isinstance(value, dict) and "left" in value:
+            spec["left"] = bool
+        return cls(**_fields(value, spec))
 
 
 @attrs.frozen(kw_only=True)

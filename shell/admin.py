@@ -98,13 +98,13 @@ async def status(
 
 async def _leases(exchange: Exchange) -> dict[str, dict[str, Any]]:
     found = {}
-    for node, version in (await exchange.lease_versions()).items():
+    for node, info in (await exchange.lease_infos()).items():
         try:
             lease = await exchange.lease(node)
         except FormatError:
             continue
         if lease is not None:
-            found[node] = {"counter": lease.counter, "left": lease.left, "version": version}
+            found[node] = {"counter": lease.counter, "left": lease.left, "version": info.version}
     return found
 
 
@@ -141,7 +141,7 @@ async def collect(mailbox: Mailbox, *, keep: int = 2, dry_run: bool = False) -> 
             except FormatError:
                 commit = None
         if horizon is not None and r <= horizon:
-            doomed += [key for key in found if key != keys.commit(r)]
+            doomed += [key for key in found if keys.parse(key).kind not in ("commit", "claim")]
         elif commit is not None:
             named = {commit.params.key, commit.state.key}
             doomed += [

@@ -315,9 +315,9 @@ class Exchange:
     async def lease(self, node: str) -> Lease | None:
         return await self._record(keys.lease(node), Lease)
 
-    async def lease_versions(self) -> dict[str, str]:
-        """Every lease's version (etag) from one LIST of ``leases/``; oversized ones are
-        reported and left out before any download."""
+    async def lease_infos(self) -> dict[str, ObjectInfo]:
+        """Every lease's listing entry (version and size) from one LIST of ``leases/``;
+        oversized ones are reported and left out before any download."""
         found = {}
         for info in await self._list(keys.LEASES):
             try:
@@ -330,7 +330,7 @@ class Exchange:
                 self.reject(info.key, too_big)
                 continue
             if parsed.kind == "lease" and parsed.node is not None:
-                found[parsed.node] = info.version
+                found[parsed.node] = info
         return found
 
     async def head(self, fragment: int) -> int | None:

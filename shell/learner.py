@@ -312,6 +312,12 @@ class Learner:
             tensors = await self._load(newest)
             if tensors is None:
                 return None  # collected again: try from the hint at the next poll
+            # Every round of the fragment up to the newest is committed (each commit's base is
+            # the one before): the syncer stops watching the skipped ones.
+            self._ledger.committed(commit)
+            for skipped in self._ledger.watched():
+                if skipped % self.algorithm.fragments == k and skipped < newest.round:
+                    self._ledger.unwatch(skipped)
             counted |= frozenset((i.node, i.nonce) for i in newest.included)
             commit = newest
         return commit, tensors, counted

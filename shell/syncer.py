@@ -36,6 +36,16 @@ from gradientmail.run import payload_limit, read_fragment
 __all__ = ["Syncer"]
 
 
+@attrs.frozen(kw_only=True)
+class _Known:
+    """A lease as this node last read it, and the listing entry it was read at."""
+
+    version: str
+    size: int
+    left: bool
+    nonce: str
+
+
 class Syncer:
     def __init__(
         self,
@@ -73,7 +83,7 @@ class Syncer:
         self._keep_rounds = keep_rounds
         self._outlier_factor = outlier_factor
         self._leases = Leases()
-        self._versions: dict[str, tuple[str, bool, str]] = {}
+        self._known: dict[str, _Known] = {}  # node -> its lease as last read
         self._rejected_leases: dict[str, str] = {}  # node -> version: not read again
         self._watches: dict[int, rules.RoundWatch] = {}
         self._views: dict[int, tuple[str, ...]] = {}
@@ -120,31 +130,36 @@ class Syncer:
         await self._exchange.put_lease(lease)
 
     async def _observe_leases(self) -> None:
-        versions = await self._exchange.lease_versions()
+        infos = await self._exchange.lease_infos()
         listing: dict[str, tuple[str, bool, str]] = {}
-        for node, version in versions.items():
-            known = self._versions.get(node)
-            if known is not None and known[0] == version:
-                listing[node] = known
+        for node, info in infos.items():
+            known = self._known.get(node)
+            if known is not None and (known.version == info.version or known.size == info.size):
+                # Unchanged, or renewed: a lease's size changes whenever its "left" flag does
+                # (records.Lease), so a renewal needs no GET (Decision 8).
+                self._known[node] = attrs.evolve(known, version=info.version)
+                listing[node] = (info.version, known.left, known.nonce)
                 continue
-            if self._rejected_leases.get(node) == version:
+            if self._rejected_leases.get(node) == info.version:
                 continue
             try:
                 lease = await self._exchange.lease(node)
             except FormatError as exc:
-                self._rejected_leases[node] = version
+                self._rejected_leases[node] = info.version
                 self._exchange.reject(keys.lease(node), str(exc))
                 continue
             if lease is None or lease.node != node:
                 continue
-            listing[node] = (version, lease.left, lease.nonce)
-        self._versions = listing
+            self._known[node] = _Known(
+                version=info.version, size=info.size, left=lease.left, nonce=lease.nonce
+            )
+            listing[node] = (info.version, lease.left, lease.nonce)
         now = self._clock.now()
-        self._leases = observe(self._leases, listing, now=now, lease_every=self._lease_every)
+        self._leases = observe(self._leases, listing, now=now)
         live = self._leases.live(now=now, lease_timeout=self._lease_timeout)
-        for node in sorted(set(listing) - live - self._expired):
+        for node in sorted(set(self._known) - live - self._expired):
             self._on_event(LeaseExpired(observer=self.node, node=node))
-        self._expired = set(listing) - live
+        self._expired = set(self._known) - live
 
     async def _round(self, r: int) -> None:
         if self._ledger.commit(r) is not None:
@@ -154,7 +169,7 @@ class Syncer:
         if watch.open_since is None or r not in self._views:
             listed = await self._exchange.reporters(r)
             if self._exchange.keyring is not None:
-                listed = list(robust.members(listed, self._versions))
+                listed = list(robust.members(listed, self._known))
             self._views[r] = tuple(listed)
         claims: tuple[Claim, ...] = ()
         if watch.open_since is not None:
@@ -199,8 +214,13 @@ class Syncer:
         event = TookOver if attempt > 0 else Claimed
         self._on_event(event(node=self.node, round=r, attempt=attempt))
         started = _wall.monotonic()
-        commit = await self._commit(r, attempt)
+        try:
+            commit = await self._commit(r, attempt)
+        except FormatError as exc:  # e.g. a payload key taken: report, and look again later
+            self._exchange.reject(getattr(exc, "key", None) or keys.round_prefix(r), str(exc))
+            commit = None
         if commit is None:
+            await self._committed_meanwhile(r)
             return
         self._ledger.committed(commit)
         self._forget(r)
@@ -215,6 +235,18 @@ class Syncer:
                 seconds=_wall.monotonic() - started,
             )
         )
+
+    async def _committed_meanwhile(self, r: int) -> None:
+        """After a close that committed nothing: when another closer committed the round
+        (while this node stalled, say), record it so the round is not closed again."""
+        try:
+            commit = await self._exchange.commit(r)
+        except FormatError as exc:
+            self._exchange.reject(keys.commit(r), str(exc))
+            return
+        if commit is not None:
+            self._ledger.committed(commit)
+            self._forget(r)
 
     async def _commit(self, r: int, attempt: int) -> Commit | None:
         k = r % self._algorithm.fragments
@@ -339,5 +371,17 @@ class Syncer:
         if old is None:
             return
         for key in await self._exchange.list_keys(keys.round_prefix(old)):
-            if key != keys.commit(old):
+            if _collectable_key(key):
                 await self._exchange.delete(key)
+
+
+def _collectable_key(key: str) -> bool:
+    """Whether garbage collection may delete ``key`` of a collectable round: everything but
+    the commit record and the claims (tiny, and what keeps a closer that stalled past the
+    collection from winning a claim again and audit from losing who closed the round).
+    Anything else under the round's prefix goes, garbage included."""
+    try:
+        kind = keys.parse(key).kind
+    except FormatError:
+        return True
+    return kind not in ("commit", "claim")

@@ -1,6 +1,7 @@
 """Liveness from leases on the observer's own clock: expiry after ``lease_timeout`` unchanged,
-a change resets it, a gap in the observer's polling restarts every timer (Decision 3), left
-nodes stay live but inactive, and unlisted leases are forgotten."""
+a change resets it, expiry is judged at the last poll so a pause ages nobody (Decision 3), slow
+polls still expire dead nodes (F2), left nodes stay live but inactive, and a lease missing from
+a listing is kept as last seen (F1)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ Listing = Mapping[str, tuple[str, bool, str]]
 
 
 def poll(leases: Leases, listing: Listing, now: float) -> Leases:
-    return observe(leases, listing, now=now, lease_every=EVERY)
+    return observe(leases, listing, now=now)
 
 
 def poll_until(leases: Leases, listing: Listing, start: float, end: float) -> Leases:
@@ -66,26 +67,31 @@ def test_a_version_change_resets_the_timer() -> None:
     assert leases.by_node["a"].changed_at == 20.0 and leases.by_node["b"].changed_at == 0.0
     leases = poll(leases, {"a": ("v2", False, NA), "b": ("v1", False, NB)}, 30.0)
     assert leases.live(now=30.0, lease_timeout=TIMEOUT) == {"a"}
-    assert not leases.expired("a", now=44.9, lease_timeout=TIMEOUT)
-    assert leases.expired("a", now=45.0, lease_timeout=TIMEOUT)
+    listing = {"a": ("v2", False, NA), "b": ("v1", False, NB)}
+    assert not poll(leases, listing, 44.9).expired("a", now=44.9, lease_timeout=TIMEOUT)
+    assert poll(leases, listing, 45.0).expired("a", now=45.0, lease_timeout=TIMEOUT)
 
 
-def test_a_gap_in_the_observers_polling_restarts_every_timer() -> None:
-    listing = {"a": ("v1", False, NA), "b": ("v1", False, NB)}
-    leases = poll_until(Leases(), listing, 0.0, 20.0)
-    # The observer was paused from 20 to 200: nobody is expired on its return.
-    leases = poll(leases, listing, 200.0)
+def test_a_pause_ages_nobody_until_the_next_poll() -> None:
+    leases = Leases()
+    for t, version in ((0.0, "v1"), (10.0, "v2"), (20.0, "v3")):
+        leases = poll(leases, {"a": (version, False, NA), "b": ("v1", False, NB)}, t)
+    # Paused from 20 to 200: judged at its last poll, b (unchanged for 20 s) is still live.
     assert leases.live(now=200.0, lease_timeout=TIMEOUT) == {"a", "b"}
-    assert all(o.changed_at == 200.0 for _, o in leases.seen)
-    assert leases.expired("a", now=225.0, lease_timeout=TIMEOUT)
+    assert not leases.expired("b", now=200.0, lease_timeout=TIMEOUT)
+    # Its next poll shows a renewed meanwhile and b not: only b is expired.
+    leases = poll(leases, {"a": ("v9", False, NA), "b": ("v1", False, NB)}, 200.0)
+    assert leases.live(now=200.0, lease_timeout=TIMEOUT) == {"a"}
+    assert leases.expired("b", now=200.0, lease_timeout=TIMEOUT)
 
 
-def test_a_poll_exactly_lease_every_after_the_last_is_not_a_gap() -> None:
+def test_a_dead_node_expires_however_slowly_the_observer_polls() -> None:
+    # F2 of the simulator: polls further apart than lease_every used to restart every timer.
     listing = {"a": ("v1", False, NA)}
-    leases = poll(poll(Leases(), listing, 0.0), listing, EVERY)
+    leases = poll(Leases(), listing, 0.0)
+    leases = poll(leases, listing, 3 * EVERY)
     assert leases.by_node["a"].changed_at == 0.0
-    leases = poll(leases, listing, 2 * EVERY + 0.001)
-    assert leases.by_node["a"].changed_at == 2 * EVERY + 0.001
+    assert leases.expired("a", now=3 * EVERY, lease_timeout=TIMEOUT)
 
 
 def test_left_nodes_are_live_but_not_active() -> None:
@@ -98,18 +104,24 @@ def test_left_nodes_are_live_but_not_active() -> None:
 
 def test_an_expired_left_node_is_neither_live_nor_active_but_still_left() -> None:
     leases = poll(Leases(), {"b": ("v2", True, NB)}, 0.0)
+    leases = poll(leases, {"b": ("v2", True, NB)}, TIMEOUT)
     assert leases.live(now=TIMEOUT, lease_timeout=TIMEOUT) == frozenset()
     assert leases.active(now=TIMEOUT, lease_timeout=TIMEOUT) == frozenset()
     assert leases.left() == {"b"}
 
 
-def test_an_unlisted_lease_is_forgotten() -> None:
+def test_a_lease_missing_from_a_listing_is_kept_and_ages() -> None:
+    # F1 of the simulator: a stale LIST without b used to expire b, a live claimant, at once.
     leases = poll(Leases(), {"a": ("v1", False, NA), "b": ("v1", False, NB)}, 0.0)
     leases = poll(leases, {"a": ("v1", False, NA)}, 5.0)
-    assert set(leases.by_node) == {"a"}
-    assert leases.expired("b", now=5.0, lease_timeout=TIMEOUT)
+    assert leases.by_node["b"] == Observed(version="v1", left=False, nonce=NB, changed_at=0.0)
+    assert not leases.expired("b", now=5.0, lease_timeout=TIMEOUT)
     leases = poll(leases, {"a": ("v1", False, NA), "b": ("v1", False, NB)}, 10.0)
-    assert leases.by_node["b"].changed_at == 10.0
+    assert leases.by_node["b"].changed_at == 0.0
+    leases = poll(leases, {}, TIMEOUT)
+    assert leases.expired("b", now=TIMEOUT, lease_timeout=TIMEOUT)
+    leases = poll(leases, {"b": ("v2", False, NB)}, TIMEOUT + 1)
+    assert not leases.expired("b", now=TIMEOUT + 1, lease_timeout=TIMEOUT)
 
 
 def test_a_restart_with_a_new_nonce_is_recorded() -> None:
@@ -127,29 +139,31 @@ def test_observe_returns_a_new_view_and_leaves_the_old_one_alone() -> None:
 
 @given(
     st.lists(
-        st.tuples(st.floats(0.5, 2 * EVERY), st.booleans(), st.booleans()),
+        st.tuples(st.floats(0.5, 4 * EVERY), st.booleans(), st.booleans(), st.floats(0, 100)),
         min_size=1,
         max_size=40,
     )
 )
-def test_expiry_matches_a_reference_model(events: list[tuple[float, bool, bool]]) -> None:
-    """Node ``a`` renews (changes version) when told to; the reference expiry is the time since
-    the last change or polling gap, measured at every poll."""
-    leases, now, version, last_change = Leases(), 0.0, 0, 0.0
+def test_expiry_matches_a_reference_model(
+    events: list[tuple[float, bool, bool, float]],
+) -> None:
+    """Node ``a`` renews (changes version) when told to, and is listed or not (a stale
+    listing); the reference expiry is the time from the first sight of the version now listed
+    to the last poll, whenever it is asked."""
+    leases, now, version, first_seen = Leases(), 0.0, 0, 0.0
     leases = poll(leases, {"a": ("0", False, NA)}, now)
-    for delay, renews, listed in events:
-        previous, now = now, now + delay
+    seen_version = 0
+    for delay, renews, listed, later in events:
+        now += delay
         version += renews
-        if not listed:
+        if listed:
+            leases = poll(leases, {"a": (str(version), False, NA)}, now)
+            if version != seen_version:
+                seen_version, first_seen = version, now
+        else:
             leases = poll(leases, {}, now)
-            assert leases.expired("a", now=now, lease_timeout=TIMEOUT)
-            last_change = now
-            continue
-        was_listed = "a" in leases.by_node
-        leases = poll(leases, {"a": (str(version), False, NA)}, now)
-        if renews or not was_listed or now - previous > EVERY:
-            last_change = now
-        assert leases.by_node["a"].changed_at == last_change
-        expected = now - last_change >= TIMEOUT
+        assert leases.by_node["a"].changed_at == first_seen
+        expected = now - first_seen >= TIMEOUT
         assert leases.expired("a", now=now, lease_timeout=TIMEOUT) is expected
+        assert leases.expired("a", now=now + later, lease_timeout=TIMEOUT) is expected
         assert ("a" in leases.active(now=now, lease_timeout=TIMEOUT)) is not expected
