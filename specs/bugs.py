@@ -12,11 +12,13 @@ show that the stateful machine and the explorer catch it.
 - ``no-takeover-timeout``: takeover without waiting (``takeover=0``): every candidate claims
   at once and later attempts open as soon as a claim is seen. Safety rests on create-only
   commits, so only the duplicate-work property notices it.
+- ``skip-forgets``: a real bug the random walk found, kept as a planted one: a reader that
+  skips commits whose parameters were collected judges its snapshot by the newest commit alone
+  (rebasing progress an earlier, skipped commit counted) and never tells its syncer that the
+  skipped rounds committed (it watches them forever).
 """
 
 from __future__ import annotations
-
-import attrs
 
 from gradientmail.core import learner as learner_rules
 from gradientmail.core import syncer as syncer_rules
@@ -24,26 +26,24 @@ from gradientmail.core.learner import LearnerState
 from gradientmail.core.leases import Leases
 from specs.config import Config
 
-__all__ = ["commit_overwrites", "decide", "on_commit", "skips_readback"]
+__all__ = ["commit_overwrites", "decide", "forgets_skipped", "on_commit", "skips_readback"]
 
 
 def on_commit(
     config: Config, state: LearnerState, *, round: int, included: bool, counted: bool
 ) -> tuple[LearnerState, list[learner_rules.Effect]]:
-    """``rules.on_commit``, or a variant. ``counted``: whether the node's snapshot in flight
-    was counted (by this commit, or by a skipped one); only the proposed fix reads it."""
+    """``rules.on_commit`` as the shell calls it, or a variant. ``included``: whether this commit
+    itself counts the node's snapshot in flight; ``counted``: whether it or a commit the node
+    skipped to reach it does (what the shell's learner passes)."""
+    if "skip-forgets" not in config.bugs:
+        included = counted
     if "rebase-included" in config.bugs:
         included = False
-    if "jump-counted" in config.fixes and counted and not included:
-        # The proposed fix of core.learner.on_commit (a reader that skipped collected commits
-        # keeps the progress its counted snapshot carried): ``mine`` holds when the snapshot
-        # in flight was counted, whether by ``round`` or by an earlier, skipped round.
-        k = round % config.algorithm.fragments
-        fragments = list(state.fragments)
-        fragments[k] = attrs.evolve(fragments[k], outstanding=round)
-        state = attrs.evolve(state, fragments=tuple(fragments))
-        included = True
     return learner_rules.on_commit(state, config.algorithm, round=round, included=included)
+
+
+def forgets_skipped(config: Config) -> bool:
+    return "skip-forgets" in config.bugs
 
 
 def skips_readback(config: Config) -> bool:

@@ -15,7 +15,7 @@ import attrs
 
 from gradientmail.core.algorithm import DiLoCo
 
-__all__ = ["BUGS", "FIXES", "Config"]
+__all__ = ["BUGS", "Config"]
 
 # Planted bugs (design Decision 12): each swaps one rule for a broken variant; see specs/bugs.py.
 BUGS = frozenset(
@@ -25,12 +25,9 @@ BUGS = frozenset(
         "no-readback",
         "no-takeover",
         "no-takeover-timeout",
+        "skip-forgets",
     }
 )
-
-
-# Proposed fixes of real bugs the explorer found, to check them before the core changes.
-FIXES = frozenset({"jump-counted"})
 
 
 def _one_of(allowed: frozenset[str]) -> Callable[[Any, attrs.Attribute[frozenset[str]], Any], None]:
@@ -86,8 +83,6 @@ class Config:
         Whether nodes may leave (``Session.close``).
     bugs
         Planted bugs to switch on (``BUGS``).
-    fixes
-        Proposed fixes of real bugs to switch on (``FIXES``, see specs/bugs.py).
     """
 
     nodes: int = attrs.field(default=2, validator=_at_least(1))
@@ -109,7 +104,6 @@ class Config:
     drift: int = attrs.field(default=0, validator=_at_least(0))
     leave: bool = True
     bugs: frozenset[str] = attrs.field(default=frozenset(), validator=_one_of(BUGS))
-    fixes: frozenset[str] = attrs.field(default=frozenset(), validator=_one_of(FIXES))
     algorithm: DiLoCo = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -167,6 +161,4 @@ class Config:
             parts.append("no-leave")
         if self.bugs:
             parts.append(f"bugs={','.join(sorted(self.bugs))}")
-        if self.fixes:
-            parts.append(f"fixes={','.join(sorted(self.fixes))}")
         return " ".join(parts)

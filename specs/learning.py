@@ -94,7 +94,7 @@ def observe_leases(world: World, i: int) -> World:
     for _, obj in world.mailbox.list(keys.LEASES):
         assert isinstance(obj, LeaseObj)
         listing[obj.node] = (obj.version, obj.left, nonce(int(obj.node[1:]), obj.epoch))
-    leases = observe(node.leases, listing, now=node.clock, lease_every=world.config.lease_every)
+    leases = observe(node.leases, listing, now=node.clock)
     return world.with_node(i, node._replace(leases=leases))
 
 
@@ -214,7 +214,7 @@ def poll(world: World, i: int) -> World:
 
     As ``Learner._poll_fragment`` does, a commit whose parameters were already collected is
     skipped for the fragment's newest commit (Decision 7: the reader re-aligns); the skipped
-    commits are neither handed to the learner nor recorded in the ledger."""
+    rounds are committed, so the syncer stops watching them."""
     node = world.node(i)
     K = world.config.fragments
     next_poll, ready = list(node.next_poll), list(node.ready)
@@ -228,9 +228,7 @@ def poll(world: World, i: int) -> World:
             if commit.params_key not in world.mailbox:
                 jump = newest(world, k)
                 assert jump > next_poll[k], "collected params with no newer commit"
-                if "jump-counted" in world.config.fixes:
-                    # Proposed fix, shell side: the skipped rounds are committed; stop
-                    # watching them.
+                if not bugs.forgets_skipped(world.config):
                     watched -= {r for r in watched if r % K == k and r < jump}
                 next_poll[k] = jump
                 continue

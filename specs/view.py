@@ -4,10 +4,12 @@ The view drops history and normalizes time so the explored space is finite:
 
 - virtual time itself is dropped (only clock skew is kept, when drift is on);
 - every timestamp becomes an age on its owner's clock, capped just above the largest threshold
-  the rules compare it with (``lease_timeout`` for a lease, ``lease_every + 1`` for the last
-  poll, ``grace`` for quorum, ``takeover * 2**a + (nodes - 1) * takeover`` for attempt ``a``'s
-  claim, ...). Ages at or over the cap compare alike forever, so two worlds with the same view
-  have the same futures: the abstraction is exact;
+  the rules compare it with (``lease_timeout`` for a lease, ``grace`` for quorum,
+  ``takeover * 2**a + (nodes - 1) * takeover`` for attempt ``a``'s claim, ...). Ages at or over
+  the cap compare alike forever, so two worlds with the same view have the same futures: the
+  abstraction is exact. A lease keeps two ages, both capped at ``lease_timeout``: at the
+  observer's last poll (what expiry is judged at now) and at its clock (what the next poll
+  judges);
 - a lease's counter is dropped; an observer keeps only whether its last seen version is still
   the current one (the rules only ask whether the version changed);
 - a node id becomes its index under a renaming, so node permutations can be canonicalized.
@@ -248,9 +250,9 @@ def _leases(world: World, node: NodeState, ren: Rename) -> tuple[Any, ...]:
         fresh = isinstance(current, LeaseObj) and current.version == observed.version
         epoch = int(observed.nonce[4:10], 16)
         age = _age(node.clock, observed.changed_at, config.lease_timeout)
-        seen.append((_name(name, ren), fresh, observed.left, epoch, age))
-    polled = _age(node.clock, leases.polled_at, config.lease_every + 1)
-    return (tuple(sorted(seen)), polled)
+        at_poll = _age(leases.polled_at or 0, observed.changed_at, config.lease_timeout)
+        seen.append((_name(name, ren), fresh, observed.left, epoch, age, at_poll))
+    return (tuple(sorted(seen)), leases.polled_at is not None)
 
 
 def _watch(world: World, now: int, watch: RoundWatch) -> tuple[Any, ...]:
