@@ -18,31 +18,12 @@ import attrs
 
 from gradientmail.core.algorithm import DiLoCo
 
-__all__ = ["KNOWN_WORKAROUNDS", "LatencyKind", "ModelKind", "Plant", "SimConfig", "swarm"]
+__all__ = ["LatencyKind", "ModelKind", "Plant", "SimConfig", "swarm"]
 
 LatencyKind = Literal["none", "uniform", "exponential", "pareto"]
 ModelKind = Literal["float", "torch"]
 Plant = Literal["takeover-now", "commit-overwrite", "rebase-included"]
 PLANTS: tuple[Plant, ...] = ("takeover-now", "commit-overwrite", "rebase-included")
-
-KNOWN_WORKAROUNDS: dict[str, str] = {
-    # Overrides (``--avoid-known``) that steer the swarm around protocol bugs the simulator
-    # found whose fixes are proposed but not merged; delete a line once its fix lands (the
-    # strict xfails in tests/sim/test_sim_findings.py say when).
-    # F1: a lease missing from one LIST is forgotten by core.leases.observe, so it counts as
-    # expired at once and a live claimant is taken over without a timeout.
-    "stale_list": "0",
-    # F2: polls of leases/ more than lease_every apart (poll_interval >= lease_every, or slow
-    # requests) make observe reset every timer, so a dead node never expires.
-    "lease_every": "4",
-    "lease_timeout": "12",
-    "takeover": "None",
-    "poll_interval": "0.5",
-    "latency_mean": "0.02",
-    # F4, F5: a closer stalled past its round's commit and collection dies of FormatError
-    # (base state gone) or wins a collected claim (audit: commit under another's claim).
-    "keep_rounds": "None",
-}
 
 
 @attrs.frozen(kw_only=True)

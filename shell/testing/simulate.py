@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from gradientmail.testing.sim_config import KNOWN_WORKAROUNDS, PLANTS, SimConfig, swarm
+from gradientmail.testing.sim_config import PLANTS, SimConfig, swarm
 from gradientmail.testing.sim_world import Outcome, simulate
 
 __all__ = ["Summary", "main", "replay_command", "run_seed", "shrink"]
@@ -249,11 +249,6 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--plant", choices=PLANTS, help="break one safeguard on purpose")
     parser.add_argument(
-        "--avoid-known",
-        action="store_true",
-        help="apply KNOWN_WORKAROUNDS: steer clear of the protocol bugs found, not yet fixed",
-    )
-    parser.add_argument(
         "--set",
         action="append",
         default=[],
@@ -291,7 +286,7 @@ def _overrides(pairs: Sequence[str]) -> dict[str, str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    overrides = {**(KNOWN_WORKAROUNDS if args.avoid_known else {}), **_overrides(args.set)}
+    overrides = _overrides(args.set)
     fixed: dict[str, object] = {"model": args.model, "naive": args.naive, "plant": args.plant}
     if args.replay is not None:
         return _replay(args, overrides, fixed)

@@ -1,7 +1,6 @@
 """What the simulator finds: planted bugs (Decision 12: each broken safeguard must be caught),
-and the protocol bugs it found in the code as it stands (strict xfails: each starts passing,
-and so failing, once its proposed fix lands; then delete the marker and the matching line of
-``sim_config.KNOWN_WORKAROUNDS``)."""
+and regression tests for the protocol bugs it found (F1, F2, F4, F5; docs/protocol.md), each
+replaying the settings and seeds that found it."""
 
 from __future__ import annotations
 
@@ -65,24 +64,13 @@ def test_without_the_plant_the_same_runs_are_clean() -> None:
         assert outcome.committed >= 8 and outcome.node_rounds >= 4 * 8
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="F1: core.leases.observe forgets a lease missing from one LIST, so a live claimant "
-    "looks expired at once and is taken over without a timeout (fix proposed)",
-)
 def test_f1_a_lease_missing_from_one_listing_does_not_expire_it() -> None:
     # The swarm seeds that found it (8 nodes, 10 rounds; stale_list=0.3 in both).
     for seed in (9, 24):
         outcome = run_seed(seed, nodes=8, rounds=10, keep_trace=False)
-        assert all(v.kind != "takeover-early" for v in outcome.violations), outcome.violations
+        assert outcome.violations == (), outcome.violations
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="F2: core.leases.observe resets every timer when its polls are more than lease_every "
-    "apart, which is always when poll_interval >= lease_every: dead nodes never expire and a "
-    "round that waits for them never closes (fix proposed)",
-)
 def test_f2_a_dead_node_expires_however_slowly_its_observers_poll() -> None:
     settings = {
         "rounds": 10,
@@ -105,11 +93,6 @@ def test_f4_a_stalled_closer_survives_its_inputs_being_collected() -> None:
     assert first_found("node-failed", range(1, 4), **settings) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="F5: collection deletes a committed round's claims, so a closer stalled past it "
-    "wins a collected claim; audit reports a commit under another node's claim (fix proposed)",
-)
 def test_f5_a_collected_claim_is_not_won_again() -> None:
     settings = {
         "rounds": 12,
