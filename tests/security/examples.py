@@ -15,6 +15,7 @@ from gradientmail.core.records import (
     Record,
     Snapshot,
 )
+from gradientmail.core.signing import Keyring
 from gradientmail.core.tensors import ParameterSpec, Schema
 
 NONCE = "0123456789abcdef"
@@ -22,6 +23,8 @@ DIGEST = "ab" * 32
 OLD = b"the secret the run started with."
 NEW = b"the secret the run moves to: 32b"
 THIRD = b"a secret that this run never had"
+SECRET = b"the run secret, 32 bytes long..."
+KEYRING = Keyring.of(SECRET)
 
 
 def schema() -> Schema:

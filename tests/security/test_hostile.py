@@ -8,8 +8,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from examples import KEYRING  # noqa: E402
 from hostile import HostileMailbox  # noqa: E402
-from virtual_signed import committed_rounds, make_model, parameters, run_nodes  # noqa: E402
+from virtual_run import committed_rounds, make_model, parameters, run_nodes  # noqa: E402
 
 from gradientmail.adapters.torch import (  # noqa: E402
     TorchAdapter,
@@ -39,8 +40,8 @@ def test_a_hostile_writer_changes_nothing_in_a_signed_run() -> None:
         hostile.append(HostileMailbox(store, fragments=2, oversized=oversized_bytes()))
         return hostile[0]
 
-    store, events, models = run_nodes(wrap=wrap)
-    _, clean_events, clean_models = run_nodes()
+    store, events, models, _ = run_nodes(wrap=wrap, keyring=KEYRING)
+    _, clean_events, clean_models, _ = run_nodes(keyring=KEYRING)
     rounds = committed_rounds(events)
     assert rounds == committed_rounds(clean_events) and len(rounds) >= 8
     assert parameters(models) == parameters(clean_models)

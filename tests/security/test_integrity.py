@@ -9,8 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from examples import KEYRING  # noqa: E402
 from tamper import TamperingMailbox, flip, truncate  # noqa: E402
-from virtual_signed import ALGORITHM, KEYRING, committed_rounds, make_model, run_nodes  # noqa: E402
+from virtual_run import ALGORITHM, committed_rounds, make_model, run_nodes  # noqa: E402
 
 from gradientmail.adapters.torch import TorchAdapter, TorchBackend  # noqa: E402
 from gradientmail.clock import MonotonicClock  # noqa: E402
@@ -80,7 +81,9 @@ class Run:
         async def before(store: MemoryMailbox) -> None:
             await store.create(keys.snapshot(0, "node-2"), forged_snapshot("node-2", 0))
 
-        self.store, self.events, self.models = run_nodes(wrap=wrap, before=before)
+        self.store, self.events, self.models, _ = run_nodes(
+            wrap=wrap, before=before, keyring=KEYRING
+        )
         self.commits = asyncio.run(self._commits())
 
     async def _commits(self) -> dict[int, Commit]:

@@ -9,8 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from examples import NEW, OLD, THIRD  # noqa: E402
-from virtual_signed import ALGORITHM, committed_rounds, make_model, run_nodes  # noqa: E402
+from examples import KEYRING, NEW, OLD, THIRD  # noqa: E402
+from virtual_run import ALGORITHM, committed_rounds, make_model, run_nodes  # noqa: E402
 
 from gradientmail import ProtocolError, Session, align  # noqa: E402
 from gradientmail.adapters.torch import TorchAdapter  # noqa: E402
@@ -75,13 +75,13 @@ def test_the_secret_from_the_environment_joins_and_align_verifies(
 def test_a_key_rotation_with_two_secrets_keeps_the_run_going() -> None:
     rotating = [Keyring.of(OLD, NEW), Keyring.of(NEW, OLD), Keyring.of(OLD, NEW)]
     # Step 1 (everyone accepts both) and 2 (some already sign with NEW), in one run.
-    store, events, _ = run_nodes(keyrings=rotating)
+    store, events, _, _ = run_nodes(keyrings=rotating)
     first = committed_rounds(events)
     assert len(first) >= 8
     signers = asyncio.run(_signers(store, first))
     assert signers == {"old", "new"}, "commits under both secrets, all accepted"
     # Step 3: everyone signs with NEW; every fragment commits under it.
-    store, events, _ = run_nodes(keyrings=[Keyring.of(NEW, OLD)] * 3, store=store)
+    store, events, _, _ = run_nodes(keyrings=[Keyring.of(NEW, OLD)] * 3, store=store)
     second = committed_rounds(events)
     assert second and min(second) > max(first)
     # Step 4: re-sign the manifest, then drop OLD: NEW alone reads the run.
@@ -116,7 +116,7 @@ def test_a_forged_lease_under_a_nodes_id_does_not_keep_it_out() -> None:
     async def before(store: MemoryMailbox) -> None:
         await store.put(keys.lease("node-1"), seal(to_bytes(forged, Keyring.of(THIRD))))
 
-    _, events, _ = run_nodes(before=before)
+    _, events, _, _ = run_nodes(before=before, keyring=KEYRING)
     assert {e.node for e in events if isinstance(e, Joined)} == {"node-0", "node-1", "node-2"}
     assert any(
         isinstance(e, Rejected) and e.key == keys.lease("node-1") and "bad signature" in e.reason

@@ -7,12 +7,12 @@ import asyncio
 import math
 
 import pytest
-from examples import DIGEST, NONCE, schema
+from examples import DIGEST, KEYRING, NONCE, schema
 
 torch = pytest.importorskip("torch")
 
 from tamper import TamperingMailbox  # noqa: E402
-from virtual_signed import KEYRING, committed_rounds, run_nodes  # noqa: E402
+from virtual_run import committed_rounds, run_nodes  # noqa: E402
 
 from gradientmail.adapters.torch import TorchBackend  # noqa: E402
 from gradientmail.clock import MonotonicClock  # noqa: E402
@@ -144,7 +144,7 @@ def test_a_validly_signed_delta_a_thousand_times_too_large_is_excluded() -> None
         tamper.on_create[keys.snapshot(4, "node-1")] = scaled_by(1000.0)
         return tamper
 
-    store, events, _ = run_nodes(wrap=wrap)
+    store, events, _, _ = run_nodes(wrap=wrap, keyring=KEYRING)
     key = keys.snapshot(4, "node-1")
     reasons = [e.reason for e in events if isinstance(e, Excluded) and e.key == key]
     assert reasons and "x the round's median" in reasons[0]

@@ -1,17 +1,39 @@
-"""Nodes of a run in one thread on virtual time (imported by the shell tests)."""
+"""Nodes of a run in one thread on virtual time (imported by the shell and security tests).
+
+The nodes run the real learner and syncer coroutines under a seeded ``Scheduler``; only the
+clock and the mailbox are swapped. Optional hooks: ``faults`` gives each node its own faulty
+handle on the store; ``wrap`` puts one wrapper (a hostile writer, a tampering proxy) between
+every node and the store, so that it acts from inside the nodes' own mailbox calls and never as
+a task of its own (a task would draw from the scheduler's shared tie-breaking random generator
+and change the honest interleaving by its mere existence); ``keyring`` or ``keyrings`` sign the
+run.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 from gradientmail import DiLoCo
+from gradientmail.core.signing import Keyring
 from gradientmail.events import Committed, Event
+from gradientmail.mailbox import Mailbox
 from gradientmail.memory import Faults, MemoryMailbox
 from gradientmail.session import Node
 from gradientmail.testing.virtual import Scheduler, VirtualClock
+
+ALGORITHM = DiLoCo(inner_steps=10, fragments=2, overlap_steps=1, grace=5.0)
+
+
+class VirtualRun(NamedTuple):
+    """What a run leaves: the store (without faults or wrapper), every event, the models."""
+
+    store: MemoryMailbox
+    events: list[Event]
+    models: list[torch.nn.Module]
+    scheduler: Scheduler
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:
@@ -20,20 +42,31 @@ def make_model(seed: int = 0) -> torch.nn.Module:
 
 
 def run_nodes(
-    algorithm: DiLoCo,
+    algorithm: DiLoCo = ALGORITHM,
     *,
     nodes: int = 3,
     steps: int = 40,
     seed: int = 0,
     faults: Faults | None = None,
+    wrap: Callable[[MemoryMailbox], Mailbox] | None = None,
+    keyring: Keyring | None = None,
+    keyrings: Sequence[Keyring | None] | None = None,
+    store: MemoryMailbox | None = None,
     before: Callable[[MemoryMailbox], Awaitable[None]] | None = None,
     **node_options: Any,
-) -> tuple[MemoryMailbox, list[Event], list[torch.nn.Module], Scheduler]:
+) -> VirtualRun:
     """Run ``nodes`` nodes for ``steps`` steps each and close them; ``before`` may write to the
-    mailbox first. Returns the (fault-free) mailbox, every event, the models and the scheduler."""
+    store first. ``keyrings`` gives each node its own keyring (else all hold ``keyring``);
+    ``store`` continues the run in an existing store."""
+    if faults is not None and wrap is not None:
+        raise ValueError("pass faults= or wrap=, not both")
     clock = VirtualClock()
     scheduler = Scheduler(clock, seed=seed)
-    mailbox = MemoryMailbox(f"memory://virtual-{seed}-{id(clock)}", clock=clock)
+    if store is None:
+        store = MemoryMailbox(f"memory://virtual-{seed}-{id(clock)}", clock=clock)
+    else:
+        store = store.handle(clock=clock)
+    shared: Mailbox = wrap(store) if wrap is not None else store
     events: list[Event] = []
     models = [make_model() for _ in range(nodes)]
     target = torch.randn(4, 1, generator=torch.Generator().manual_seed(seed))
@@ -44,11 +77,12 @@ def run_nodes(
         node = Node(
             model,
             algorithm=algorithm,
-            mailbox=mailbox.handle(faults=faults, clock=clock) if faults else mailbox,
+            mailbox=store.handle(faults=faults, clock=clock) if faults else shared,
             clock=clock,
             learner_id=f"node-{i}",
             on_event=events.append,
             keep_rounds=None,
+            keyring=keyring if keyrings is None else keyrings[i],
             **options,
         )
         await clock.sleep(0.1 * i)
@@ -75,15 +109,20 @@ def run_nodes(
 
     async def start() -> None:
         if before is not None:
-            await before(mailbox)
+            await before(store)
         for i in range(nodes):
             scheduler.spawn(f"node-{i}", main(i))
 
     scheduler.spawn("start", start())
     scheduler.run(until=10_000)
     assert scheduler.errors == [], scheduler.errors
-    return mailbox, events, models, scheduler
+    return VirtualRun(store, events, models, scheduler)
 
 
 def committed_rounds(events: list[Event]) -> list[int]:
     return sorted(e.round for e in events if isinstance(e, Committed))
+
+
+def parameters(models: list[torch.nn.Module]) -> list[list[Any]]:
+    """Every model's parameters as nested lists, for exact comparison."""
+    return [[p.tolist() for p in model.parameters()] for model in models]
