@@ -13,6 +13,8 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import attrs
+
 from gradientmail.adapters.base import Adapter
 from gradientmail.core import keys
 from gradientmail.core.algorithm import DiLoCo
@@ -28,6 +30,7 @@ from gradientmail.exchange import Exchange, new_nonce
 __all__ = [
     "SECRET_ENV",
     "SECRET_FILE_ENV",
+    "SecretSources",
     "check_signing",
     "create_or_join",
     "keyring_from",
@@ -79,41 +82,56 @@ def keyring_from(
         raise ValueError(f"secret file {os.fspath(path)!r}: {exc}") from None
 
 
-def check_signing(manifest: Manifest, keyring: Keyring | None) -> None:
-    """Refuse, with what to set, a node whose secret does not fit the run: none for a signed
+@attrs.frozen(kw_only=True)
+class SecretSources:
+    """How a reader of a run is given its secret, for the errors that say what to set.
+
+    ``reader`` names it ("this node", "audit"); ``how`` says how to give it a secret; ``origins``
+    lists where a secret it holds came from. The defaults are ``Session``'s and ``align``'s."""
+
+    reader: str = "this node"
+    how: str = (
+        f"set {SECRET_ENV} (or {SECRET_FILE_ENV}), or pass secret= or secret_file= to Session "
+        "or align"
+    )
+    origins: str = f"secret=, secret_file=, {SECRET_ENV} or {SECRET_FILE_ENV}"
+
+
+def check_signing(
+    manifest: Manifest, keyring: Keyring | None, *, sources: SecretSources = SecretSources()
+) -> None:
+    """Refuse, with what to set, a reader whose secret does not fit the run: none for a signed
     run, or one for an unsigned run (a run's signing is fixed when it is created)."""
     if manifest.signed and keyring is None:
-        raise ProtocolError(
-            f"the run is signed and this node has no secret: set {SECRET_ENV} (or "
-            f"{SECRET_FILE_ENV}), or pass secret= or secret_file= to Session or align"
-        )
+        raise ProtocolError(f"the run is signed and {sources.reader} has no secret: {sources.how}")
     if not manifest.signed and keyring is not None:
         raise ProtocolError(
-            f"the run is not signed but this node has a secret (from secret=, secret_file=, "
-            f"{SECRET_ENV} or {SECRET_FILE_ENV}): remove it to join this run; whether a run "
-            "is signed is fixed by the node that creates it"
+            f"the run is not signed but {sources.reader} has a secret (from {sources.origins}): "
+            "remove it; whether a run is signed is fixed by the node that creates it"
         )
 
 
-async def read_manifest(exchange: Exchange) -> Manifest | None:
-    """The run's manifest, None when there is no run; ``ProtocolError`` when this node's
+async def read_manifest(
+    exchange: Exchange, *, sources: SecretSources = SecretSources()
+) -> Manifest | None:
+    """The run's manifest, None when there is no run; ``ProtocolError`` when this reader's
     secret does not fit the run (``check_signing``) or the manifest does not verify."""
     manifest = await exchange.manifest(verify=False)
     if manifest is None:
         return None
-    return await _verified(exchange, manifest)
+    return await _verified(exchange, manifest, sources)
 
 
-async def _verified(exchange: Exchange, manifest: Manifest) -> Manifest:
-    check_signing(manifest, exchange.keyring)
+async def _verified(exchange: Exchange, manifest: Manifest, sources: SecretSources) -> Manifest:
+    check_signing(manifest, exchange.keyring, sources=sources)
     if exchange.keyring is None:
         return manifest
     try:
         verified = await exchange.manifest()
     except FormatError as exc:
         raise ProtocolError(
-            f"the run's manifest does not verify with this node's secret (a wrong secret, or "
-            f"a forged manifest): {exc}"
+            f"the run's manifest does not verify with {sources.reader}'s secret (a wrong "
+            f"secret, or a forged manifest): {exc}"
         ) from None
     if verified is None:
         raise ProtocolError(f"the manifest vanished from {exchange.mailbox.url}")
@@ -182,7 +200,7 @@ async def create_or_join(
         if not created:
             for ref in refs:
                 await exchange.delete(ref.key)
-            manifest = await _verified(exchange, manifest)
+            manifest = await _verified(exchange, manifest, SecretSources())
     check_schema(manifest.schema, adapter.schema)
     algorithm.require_same(manifest.algorithm)
     return manifest, created

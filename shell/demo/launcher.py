@@ -151,10 +151,12 @@ def config_of(args: argparse.Namespace) -> GPTConfig:
 def _audit(url: str) -> str:
     """One line on ``gradientmail.testing.audit`` of the run; ``DemoError`` on a violation."""
     from gradientmail import mailbox_from_url
+    from gradientmail.run import keyring_from
     from gradientmail.testing import AuditError, audit
 
     try:
-        report = audit(mailbox_from_url(url))
+        # The workers take the run secret from the environment, if any; so does the audit.
+        report = audit(mailbox_from_url(url), keyring=keyring_from())
     except AuditError as exc:
         first = exc.violations[0] if exc.violations else "?"
         raise DemoError(f"audit found {len(exc.violations)} violations, first: {first}") from None

@@ -5,6 +5,13 @@ snapshots, claims and payloads garbage collection has not yet removed), so it wo
 bucket after the fact, on a simulated mailbox, or on an explored world. With a ``backend`` it
 also recomputes each commit whose inputs are still present and checks that the committed
 parameters derive from exactly the snapshots the record lists.
+
+Objects no node would use (garbage, oversized objects, records replayed under another key and,
+in a signed run, records that do not verify) are reported in ``AuditReport.rejected``, never
+counted as violations: the nodes ignore them too. A signed run is audited with its ``keyring``;
+in it a forged or unreadable commit record is such an object (it squats its round's key, which
+docs/security.md lists as a known limit), while in an unsigned run, where anyone can write a
+valid record, an unreadable commit record is a violation.
 """
 
 from __future__ import annotations
@@ -16,18 +23,28 @@ from collections import defaultdict
 import attrs
 
 from gradientmail.adapters.base import Backend
+from gradientmail.admin import read_leases
 from gradientmail.clock import MonotonicClock
 from gradientmail.core import keys
 from gradientmail.core import syncer as rules
-from gradientmail.core.envelope import unseal
+from gradientmail.core.envelope import payload_digest, unseal
 from gradientmail.core.errors import FormatError
-from gradientmail.core.records import Claim, Commit, Manifest, Snapshot, read_record
+from gradientmail.core.records import Commit, Manifest, Snapshot, read_record
+from gradientmail.core.robust import oversized, snapshot_bound
+from gradientmail.core.signing import Keyring
 from gradientmail.core.tensors import Schema, TensorBytes
+from gradientmail.events import Event, Rejected
 from gradientmail.exchange import Exchange
 from gradientmail.mailbox import Mailbox
-from gradientmail.run import read_fragment
+from gradientmail.run import SecretSources, read_fragment, read_manifest
 
 __all__ = ["AuditError", "AuditReport", "audit", "audit_async"]
+
+_SOURCES = SecretSources(
+    reader="audit",
+    how="pass keyring=Keyring.of(secret) (from gradientmail.core.signing) to audit",
+    origins="keyring=",
+)
 
 
 class AuditError(AssertionError):
@@ -40,51 +57,75 @@ class AuditError(AssertionError):
 
 @attrs.frozen(kw_only=True)
 class AuditReport:
+    """What ``audit`` checked in a run that holds every invariant."""
+
     commits: int
+    """Commit records read (and verified, in a signed run)."""
     rounds: tuple[int, ...]
+    """The committed rounds, ascending."""
     snapshots: int
+    """Included snapshots still present and checked against their commit's listing."""
     recomputed: int
+    """Commits whose params were recomputed from their snapshots (with a ``backend``)."""
     samples: int
+    """Samples counted over all commits."""
     foreign: tuple[str, ...] = ()
     """Keys under ``rounds/`` that no node of ours writes (garbage is not a violation, but
     worth a look)."""
+    rejected: tuple[tuple[str, str], ...] = ()
+    """``(key, reason)`` of every object no node would use, sorted by key: unreadable or
+    oversized snapshots, claims and leases, records that name another key's round or node,
+    and in a signed run records that do not verify with the keyring (forgeries, or records
+    signed under a secret it does not hold) including commit records."""
 
 
 def audit(
-    mailbox: Mailbox, *, backend: Backend | None = None, tolerance: float = 0.0
+    mailbox: Mailbox,
+    *,
+    backend: Backend | None = None,
+    tolerance: float = 0.0,
+    keyring: Keyring | None = None,
 ) -> AuditReport:
-    """Check every invariant; raise ``AuditError`` listing all violations, else report."""
-    return asyncio.run(audit_async(mailbox, backend=backend, tolerance=tolerance))
+    """Check every invariant; raise ``AuditError`` listing all violations, else report.
+
+    A signed run needs its ``keyring`` (``Keyring.of(secret)``; after a key rotation, one
+    holding every secret its records were signed with): without one, or with one for an
+    unsigned run, ``ProtocolError`` says so before anything is checked. ``tolerance`` is the
+    largest absolute difference allowed between recomputed and committed params (0: bit-exact).
+    """
+    return asyncio.run(audit_async(mailbox, backend=backend, tolerance=tolerance, keyring=keyring))
 
 
 async def audit_async(
-    mailbox: Mailbox, *, backend: Backend | None = None, tolerance: float = 0.0
+    mailbox: Mailbox,
+    *,
+    backend: Backend | None = None,
+    tolerance: float = 0.0,
+    keyring: Keyring | None = None,
 ) -> AuditReport:
-    exchange = Exchange(mailbox, MonotonicClock(), node="audit")
-    manifest = await exchange.manifest()
+    """``audit`` as a coroutine, for callers already inside an event loop."""
+    rejected: list[tuple[str, str]] = []
+
+    def on_event(event: Event) -> None:
+        if isinstance(event, Rejected):
+            rejected.append((event.key, event.reason))
+
+    exchange = Exchange(mailbox, MonotonicClock(), node="audit", on_event=on_event, keyring=keyring)
+    manifest = await read_manifest(exchange, sources=_SOURCES)
     if manifest is None:
         raise AuditError(["no manifest: the mailbox holds no run"])
     violations: list[str] = []
-    by_round: dict[int, list[str]] = defaultdict(list)
+    by_round: dict[int, dict[str, int]] = defaultdict(dict)
     foreign: list[str] = []
-    for key in await exchange.list_keys(keys.ROUNDS):
+    for info in await mailbox.list(keys.ROUNDS):
         try:
-            parsed = keys.parse(key)
+            parsed = keys.parse(info.key)
         except FormatError:
-            foreign.append(key)
+            foreign.append(info.key)
             continue
         assert parsed.round is not None
-        by_round[parsed.round].append(key)
-    commits: dict[int, Commit] = {}
-    for r in sorted(by_round):
-        if keys.commit(r) in by_round[r]:
-            try:
-                commit = await exchange.commit(r)
-            except FormatError as exc:
-                violations.append(str(exc))
-                continue
-            if commit is not None:
-                commits[r] = commit
+        by_round[parsed.round][info.key] = info.size
+    commits = await _read_commits(exchange, by_round, violations)
     snapshots = recomputed = 0
     counted: dict[tuple[str, str], int] = {}
     for r, commit in commits.items():
@@ -96,14 +137,22 @@ async def audit_async(
                     f"{counted[(i.node, i.nonce)]}"
                 )
             counted[(i.node, i.nonce)] = r
-        found, problems = await _check_snapshots(exchange, r, commit, by_round[r])
+        found, problems = await _check_snapshots(exchange, r, commit, list(by_round[r]))
         snapshots += found
         violations += problems
-        violations += await _check_claim(exchange, r, commit, by_round[r])
         if backend is not None:
-            checked, problems = await _recompute(exchange, manifest, commits, r, backend, tolerance)
+            try:
+                checked, problems = await _recompute(
+                    exchange, manifest, commits, r, backend, tolerance
+                )
+            except FormatError as exc:
+                checked, problems = 0, [f"round {r}: cannot recompute its params: {exc}"]
             recomputed += checked
             violations += problems
+    for r in sorted(by_round):
+        violations += await _check_claims(exchange, r, commits.get(r), by_round[r])
+        await _report_unused_snapshots(exchange, manifest, r, commits.get(r), by_round[r])
+    await read_leases(exchange)  # reports the leases no node would accept
     if violations:
         raise AuditError(violations)
     return AuditReport(
@@ -113,7 +162,31 @@ async def audit_async(
         recomputed=recomputed,
         samples=sum(c.samples for c in commits.values()),
         foreign=tuple(foreign),
+        rejected=tuple(sorted(rejected)),
     )
+
+
+async def _read_commits(
+    exchange: Exchange, by_round: dict[int, dict[str, int]], violations: list[str]
+) -> dict[int, Commit]:
+    """Every readable commit record. One that cannot be read is a violation in an unsigned
+    run; in a signed run it is rejected, as the nodes reject it (a forgery squatting the key,
+    or a genuine record replayed there)."""
+    commits: dict[int, Commit] = {}
+    for r in sorted(by_round):
+        if keys.commit(r) not in by_round[r]:
+            continue
+        try:
+            commit = await exchange.commit(r)
+        except FormatError as exc:
+            if exchange.keyring is None:
+                violations.append(str(exc))
+            else:
+                exchange.reject(keys.commit(r), str(exc))
+            continue
+        if commit is not None:
+            commits[r] = commit
+    return commits
 
 
 def _check_commit(
@@ -148,7 +221,7 @@ async def _check_snapshots(
         if blob is None:
             continue
         try:
-            record = read_record(unseal(blob).record, Snapshot, key=key)
+            record = read_record(unseal(blob).record, Snapshot, key=key, verifier=exchange.keyring)
         except FormatError as exc:
             problems.append(f"round {r}: included snapshot unreadable: {exc}")
             continue
@@ -163,17 +236,55 @@ async def _check_snapshots(
     return found, problems
 
 
-async def _check_claim(exchange: Exchange, r: int, commit: Commit, present: list[str]) -> list[str]:
-    key = keys.claim(r, commit.attempt)
-    if key not in present:
+async def _check_claims(
+    exchange: Exchange, r: int, commit: Commit | None, present: dict[str, int]
+) -> list[str]:
+    """Round ``r``'s valid claims (the exchange reports the others); a commit must be made by
+    the node whose valid claim holds its attempt."""
+    if not any(key.startswith(keys.claims(r)) for key in present):
         return []
+    claims = await exchange.claims(r)
+    if commit is None:
+        return []
+    return [
+        f"round {r}: committed by {commit.closer} under {claim.node}'s claim"
+        for claim in claims
+        if claim.attempt == commit.attempt and claim.node != commit.closer
+    ]
+
+
+async def _report_unused_snapshots(
+    exchange: Exchange, manifest: Manifest, r: int, commit: Commit | None, present: dict[str, int]
+) -> None:
+    """Report each snapshot of round ``r`` outside its commit that a closer would refuse:
+    oversized (not downloaded), unreadable, not verifying, or naming another node or round."""
+    included = {i.node for i in commit.included} if commit is not None else set()
+    bound = snapshot_bound(manifest.fragment_schema(r % manifest.algorithm.fragments))
+    for key, size in sorted(present.items()):
+        parsed = keys.parse(key)
+        if parsed.kind != "snapshot" or parsed.node in included:
+            continue
+        reason = oversized(size, bound)
+        if reason is None:
+            reason = await _snapshot_problem(exchange, key, parsed.node, r)
+        if reason is not None:
+            exchange.reject(key, reason)
+
+
+async def _snapshot_problem(exchange: Exchange, key: str, node: str | None, r: int) -> str | None:
     blob = await exchange.get(key)
     if blob is None:
-        return []
-    claim = read_record(unseal(blob).record, Claim, key=key)
-    if claim.node != commit.closer:
-        return [f"round {r}: committed by {commit.closer} under {claim.node}'s claim"]
-    return []
+        return None
+    try:
+        sealed = unseal(blob)
+        record = read_record(sealed.record, Snapshot, key=key, verifier=exchange.keyring)
+    except FormatError as exc:
+        return str(exc)
+    if (record.node, record.round) != (node, r):
+        return f"record names {record.node} round {record.round}"
+    if payload_digest(sealed.payload) != record.digest:
+        return "payload does not match the record's digest"
+    return None
 
 
 async def _recompute(

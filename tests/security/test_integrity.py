@@ -159,7 +159,9 @@ def test_every_commit_verifies_and_params_derive_from_the_listed_snapshots(run: 
 
     # run.commits were read with the run's keyring: every commit record verified.
     assert sorted(run.commits) == committed_rounds(run.events)
-    assert audit(run.store, backend=TorchBackend()).recomputed == len(run.commits)
+    report = audit(run.store, backend=TorchBackend(), keyring=KEYRING)
+    assert report.recomputed == len(run.commits)
+    assert keys.snapshot(0, "node-2") in dict(report.rejected), "the forged snapshot is reported"
 
 
 def test_a_commit_record_replayed_under_a_new_round_is_rejected(run: Run) -> None:
