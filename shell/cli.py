@@ -13,6 +13,8 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
+from gradientmail.run import SECRET_ENV, SECRET_FILE_ENV
+
 __all__ = ["build_parser", "main"]
 
 
@@ -37,9 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a run's state read from its mailbox",
         description="Read a run's state from its mailbox (read-only): manifest summary, each "
         "fragment's newest round and the open round with its reporters and claims, nodes with "
-        "their leases, bytes stored.",
+        "their leases, bytes stored, and the objects no node would use (garbage; in a signed "
+        "run, records that do not verify with its secret).",
     )
     status.add_argument("url", help="the run's mailbox URL (file://, s3://, gs://, az://)")
+    _add_secret_argument(status)
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument(
         "--watch",
@@ -52,13 +56,25 @@ def build_parser() -> argparse.ArgumentParser:
         "gc",
         help="remove payloads a run no longer needs",
         description="Delete payloads, snapshots and claims of rounds older than the --keep "
-        "newest of each fragment, and orphaned payloads; commit records stay.",
+        "newest of each fragment, and orphaned payloads; commit records stay. In a signed run "
+        "the rounds are counted from the newest commits that verify with its secret.",
     )
     gc.add_argument("url", help="the run's mailbox URL")
+    _add_secret_argument(gc)
     gc.add_argument("--keep", type=int, default=2, help="rounds of each fragment to keep")
     gc.add_argument("--dry-run", action="store_true", help="list what would go, delete nothing")
     gc.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
+
+
+def _add_secret_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--secret-file",
+        metavar="PATH",
+        help="file holding the secret of a signed run (one, or two on separate lines during a "
+        f"rotation); without it, ${SECRET_ENV} or the file named by ${SECRET_FILE_ENV}, as "
+        "for a node",
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -70,20 +86,43 @@ def _run(args: argparse.Namespace) -> int:
     import json
 
     from gradientmail.admin import collect, status
+    from gradientmail.run import SecretSources, keyring_from
     from gradientmail.urls import mailbox_from_url
 
+    keyring = keyring_from(secret_file=args.secret_file)
+    sources = SecretSources(
+        reader=f"gradientmail {args.command}",
+        how=f"set {SECRET_ENV} (or {SECRET_FILE_ENV}), or pass --secret-file PATH",
+        origins=f"--secret-file, {SECRET_ENV} or {SECRET_FILE_ENV}",
+    )
     mailbox = mailbox_from_url(args.url)
     if args.command == "status":
-        report = asyncio.run(status(mailbox, watch=max(0.0, args.watch)))
+        report = asyncio.run(
+            status(mailbox, watch=max(0.0, args.watch), keyring=keyring, sources=sources)
+        )
         print(json.dumps(report, indent=2) if args.json else _describe_status(report))
         return 0
-    done = asyncio.run(collect(mailbox, keep=args.keep, dry_run=args.dry_run))
+    done = asyncio.run(
+        collect(mailbox, keep=args.keep, dry_run=args.dry_run, keyring=keyring, sources=sources)
+    )
     if args.json:
         print(json.dumps(done, indent=2))
     else:
         verb = "would delete" if args.dry_run else "deleted"
-        print(f"{verb} {len(done['deleted'])} objects, {done['bytes_freed']} bytes")
+        lines = [f"{verb} {len(done['deleted'])} objects, {done['bytes_freed']} bytes"]
+        print("\n".join(lines + _describe_rejected(done["rejected"])))
     return 0
+
+
+def _describe_rejected(rejected: list[dict[str, str]], shown: int = 20) -> list[str]:
+    """Lines naming the objects no node would use, at most ``shown`` of them."""
+    if not rejected:
+        return []
+    lines = [f"{len(rejected)} objects rejected (no node uses them):"]
+    lines += [f"  {r['key']}: {r['reason']}" for r in rejected[:shown]]
+    if len(rejected) > shown:
+        lines.append(f"  ... and {len(rejected) - shown} more (--json lists them all)")
+    return lines
 
 
 def _describe_status(report: dict[str, Any]) -> str:
@@ -98,15 +137,17 @@ def _describe_status(report: dict[str, Any]) -> str:
     ]
     for f in report["fragments"]:
         claims = ", ".join(f"{c['attempt']}:{c['node']}" for c in f["claims"]) or "none"
+        unverified = ", ".join(f["unverified_reporters"])
         lines.append(
             f"fragment {f['fragment']}: newest round {f['newest_round']}; open round "
-            f"{f['open_round']} reported by {', '.join(f['reporters']) or 'nobody'}; "
-            f"claims {claims}"
+            f"{f['open_round']} reported by {', '.join(f['reporters']) or 'nobody'}"
+            + (f" (not counted, no verified lease: {unverified})" if unverified else "")
+            + f"; claims {claims}"
         )
     for n in report["nodes"]:
         lines.append(f"node {n['node']}: {n['state']} (lease counter {n['counter']})")
     lines.append(f"{report['objects']} objects, {report['bytes_stored']} bytes stored")
-    return "\n".join(lines)
+    return "\n".join(lines + _describe_rejected(report["rejected"]))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,7 +23,7 @@ from collections import defaultdict
 import attrs
 
 from gradientmail.adapters.base import Backend
-from gradientmail.admin import read_leases
+from gradientmail.admin import Rejections, read_leases
 from gradientmail.clock import MonotonicClock
 from gradientmail.core import keys
 from gradientmail.core import syncer as rules
@@ -33,7 +33,6 @@ from gradientmail.core.records import Commit, Manifest, Snapshot, read_record
 from gradientmail.core.robust import oversized, snapshot_bound
 from gradientmail.core.signing import Keyring
 from gradientmail.core.tensors import Schema, TensorBytes
-from gradientmail.events import Event, Rejected
 from gradientmail.exchange import Exchange
 from gradientmail.mailbox import Mailbox
 from gradientmail.run import SecretSources, read_fragment, read_manifest
@@ -104,13 +103,8 @@ async def audit_async(
     keyring: Keyring | None = None,
 ) -> AuditReport:
     """``audit`` as a coroutine, for callers already inside an event loop."""
-    rejected: list[tuple[str, str]] = []
-
-    def on_event(event: Event) -> None:
-        if isinstance(event, Rejected):
-            rejected.append((event.key, event.reason))
-
-    exchange = Exchange(mailbox, MonotonicClock(), node="audit", on_event=on_event, keyring=keyring)
+    rejected = Rejections()
+    exchange = Exchange(mailbox, MonotonicClock(), node="audit", on_event=rejected, keyring=keyring)
     manifest = await read_manifest(exchange, sources=_SOURCES)
     if manifest is None:
         raise AuditError(["no manifest: the mailbox holds no run"])
@@ -162,7 +156,7 @@ async def audit_async(
         recomputed=recomputed,
         samples=sum(c.samples for c in commits.values()),
         foreign=tuple(foreign),
-        rejected=tuple(sorted(rejected)),
+        rejected=tuple(sorted(rejected.found)),
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,15 +20,21 @@ from gradientmail.demo.processes import (
     prepare_directory,
 )
 from gradientmail.demo.progress import Display, Follower, human_bytes, render
+from gradientmail.run import SECRET_ENV, SECRET_FILE_ENV
 
 
-def cli(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def cli(
+    *argv: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run the command line in a fresh process, with no run secret in its environment."""
+    clean = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
     return subprocess.run(
         [sys.executable, "-m", "gradientmail.cli", *argv],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=cwd,
+        env={**clean, **(env or {})},
     )
 
 
@@ -90,6 +97,48 @@ def test_status_and_gc_of_a_mailbox_without_a_run_fail_in_one_line(
     assert result.stderr.strip().splitlines() == [
         f"gradientmail: error: file://{tmp_path / 'nowhere'} holds no run (no manifest)"
     ]
+
+
+SECRET = "a demo run's secret: 32 bytes long"
+
+
+@pytest.fixture(scope="module")
+def signed_run(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A signed run that has only just been created (its manifest and initial parameters)."""
+    torch = pytest.importorskip("torch")
+    from gradientmail import DiLoCo, Session, mailbox_from_url
+
+    torch.manual_seed(0)
+    url = f"file://{tmp_path_factory.mktemp('signed') / 'run'}"
+    model = torch.nn.Linear(4, 2)
+    quick = {"poll_interval": 0.05, "lease_every": 0.2, "lease_timeout": 1.0, "callbacks": ()}
+    algorithm = DiLoCo(inner_steps=10, fragments=1, overlap_steps=0)
+    with Session(model, algorithm=algorithm, mailbox=mailbox_from_url(url), secret=SECRET, **quick):  # type: ignore[arg-type]
+        pass
+    return url
+
+
+@pytest.mark.parametrize("command", [["status", "--watch", "0"], ["gc"]], ids=["status", "gc"])
+def test_status_and_gc_of_a_signed_run_name_the_secret_they_need_in_one_line(
+    command: list[str], signed_run: str, tmp_path: Path
+) -> None:
+    name, *options = command
+    result = cli(name, signed_run, *options)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        f"gradientmail: error: the run is signed and gradientmail {name} has no secret: set "
+        f"{SECRET_ENV} (or {SECRET_FILE_ENV}), or pass --secret-file PATH"
+    ]
+    wrong = cli(name, signed_run, *options, env={SECRET_ENV: "x" * 32})
+    assert wrong.returncode == 1
+    [line] = wrong.stderr.strip().splitlines()
+    assert line.startswith("gradientmail: error: the run's manifest does not verify with ")
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(SECRET + "\n")
+    for env, extra in (({SECRET_ENV: SECRET}, []), ({}, ["--secret-file", str(secret_file)])):
+        done = cli(name, signed_run, *options, "--json", *extra, env=env)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["rejected"] == []
 
 
 def test_prepare_directory_wipes_only_what_a_demo_made(tmp_path: Path) -> None:
