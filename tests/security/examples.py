@@ -23,7 +23,7 @@ DIGEST = "ab" * 32
 OLD = b"the secret the run started with."
 NEW = b"the secret the run moves to: 32b"
 THIRD = b"a secret that this run never had"
-SECRET = b"the run secret, 32 bytes long..."
+SECRET = b"the run secret: 32 bytes long..."
 KEYRING = Keyring.of(SECRET)
 
 

@@ -2,7 +2,9 @@
 
 Run as a script by the integration tests (one process per node); writes a JSON result.
 ``--slow-commit`` wraps the real mailbox so that creating a round's commit record waits first,
-which gives a test time to kill a closer between its claim and its commit.
+which gives a test time to kill a closer between its claim and its commit. ``--wait-for``
+holds training back until the named nodes have all joined (their leases exist), so that nodes
+started together train from the first round together and end on the same rounds.
 """
 
 from __future__ import annotations
@@ -152,6 +154,21 @@ class SlowCommits:
         await self._inner.close()
 
 
+def wait_for(nodes: list[str], url: str, timeout: float = 120.0) -> None:
+    """Return once every node of ``nodes`` has a lease in the run at ``url``."""
+    import asyncio
+
+    from gradientmail.core import keys
+
+    wanted = {keys.lease(n) for n in nodes}
+    mailbox = mailbox_from_url(url)
+    deadline = time.monotonic() + timeout
+    while not wanted <= {i.key for i in asyncio.run(mailbox.list(keys.LEASES))}:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nodes {sorted(nodes)} did not all join within {timeout} s")
+        time.sleep(0.02)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mailbox", required=True)
@@ -163,6 +180,7 @@ def main() -> int:
     parser.add_argument("--step-time", type=float, default=0.005)
     parser.add_argument("--slow-commit", type=float, default=0.0)
     parser.add_argument("--keep-rounds", type=int, default=-1)
+    parser.add_argument("--wait-for", default="", help="comma-separated node ids to wait for")
     parser.add_argument("--events")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -189,6 +207,8 @@ def main() -> int:
         callbacks=callbacks,
     ) as session:
         result["joined_rounds_seen"] = session.rounds_seen
+        if args.wait_for:
+            wait_for(args.wait_for.split(","), args.mailbox)
         result["initial_loss"] = trainer.evaluate(eval_x, eval_y)
         for i in range(args.steps):
             trainer.step(x[i * 32 : (i + 1) * 32], y[i * 32 : (i + 1) * 32])
