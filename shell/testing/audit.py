@@ -109,16 +109,7 @@ async def audit_async(
     if manifest is None:
         raise AuditError(["no manifest: the mailbox holds no run"])
     violations: list[str] = []
-    by_round: dict[int, dict[str, int]] = defaultdict(dict)
-    foreign: list[str] = []
-    for info in await mailbox.list(keys.ROUNDS):
-        try:
-            parsed = keys.parse(info.key)
-        except FormatError:
-            foreign.append(info.key)
-            continue
-        assert parsed.round is not None
-        by_round[parsed.round][info.key] = info.size
+    by_round, foreign = await _list_rounds(mailbox)
     commits = await _read_commits(exchange, by_round, violations)
     snapshots = recomputed = 0
     counted: dict[tuple[str, str], int] = {}
@@ -158,6 +149,21 @@ async def audit_async(
         foreign=tuple(foreign),
         rejected=tuple(sorted(rejected.found)),
     )
+
+
+async def _list_rounds(mailbox: Mailbox) -> tuple[dict[int, dict[str, int]], list[str]]:
+    """Every object under ``rounds/``: ours by round (key and size), and the foreign keys."""
+    by_round: dict[int, dict[str, int]] = defaultdict(dict)
+    foreign: list[str] = []
+    for info in await mailbox.list(keys.ROUNDS):
+        try:
+            parsed = keys.parse(info.key)
+        except FormatError:
+            foreign.append(info.key)
+            continue
+        assert parsed.round is not None
+        by_round[parsed.round][info.key] = info.size
+    return by_round, foreign
 
 
 async def _read_commits(
