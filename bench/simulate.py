@@ -155,7 +155,16 @@ def planted() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 and 64 nodes, fewer rounds")
+    parser.add_argument(
+        "--requests",
+        metavar="NODES:ROUNDS,...",
+        help="only the request table, for these sizes (e.g. 256:6)",
+    )
     args = parser.parse_args(argv)
+    if args.requests:
+        sizes = [tuple(map(int, size.split(":"))) for size in args.requests.split(",")]
+        requests_table([(nodes, rounds) for nodes, rounds in sizes])
+        return 0
     if args.quick:
         requests_table([(8, 4), (64, 2)])
         throughput_table([(8, 20), (64, 5)])

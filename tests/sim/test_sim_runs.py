@@ -152,10 +152,9 @@ def test_swarm_draws_differ_by_seed_and_describe_them() -> None:
 @pytest.mark.slow
 def test_thorough_swarm_batch() -> None:
     """The thorough setting: 10,000 seeds of 256 nodes, 200 rounds (GRADIENTMAIL_SIM_SEEDS and
-    GRADIENTMAIL_SIM_NODES shrink it). Each such seed is 51,200 node-rounds; at the under 10
-    node-rounds per CPU second measured at 256 nodes (every node GETs every renewed lease, so
-    the work per round grows as N**2) that is about 1.5 CPU-hours a seed: run it sharded over
-    many machines, e.g.
+    GRADIENTMAIL_SIM_NODES shrink it). Each such seed is 51,200 node-rounds; at the 44
+    node-rounds per CPU second measured at 64 nodes (fewer at 256) that is upward of 20
+    CPU-minutes a seed: run it sharded over many machines, e.g.
 
         python -m gradientmail.testing.simulate --nodes 256 --rounds 200 --seeds 100 \\
             --first-seed $((SHARD * 100))
