@@ -2,10 +2,10 @@
 needs any more. Both are what the ``gradientmail status`` and ``gradientmail gc`` commands run.
 
 Neither joins the run: ``status`` only reads (an evaluator's read-only credentials suffice);
-``collect`` deletes only payloads, snapshots and claims of rounds older than the ``keep`` newest
-of each fragment, orphaned payloads that no commit record names (a closer that crashed between
+``collect`` deletes only payloads and snapshots of rounds older than the ``keep`` newest of
+each fragment, orphaned payloads that no commit record names (a closer that crashed between
 payload and record, or lost a race), and init payloads that are not the manifest's. Commit
-records and the manifest are never deleted.
+records, claims and the manifest are never deleted.
 
 A signed run is read with its ``keyring``, as its nodes read it: records that do not verify
 (forgeries by a bucket writer without the secret) are reported under ``"rejected"`` with the

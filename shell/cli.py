@@ -55,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     gc = commands.add_parser(
         "gc",
         help="remove payloads a run no longer needs",
-        description="Delete payloads, snapshots and claims of rounds older than the --keep "
-        "newest of each fragment, and orphaned payloads; commit records stay. In a signed run "
+        description="Delete payloads and snapshots of rounds older than the --keep newest of "
+        "each fragment, and orphaned payloads; commit records and claims stay. In a signed run "
         "the rounds are counted from the newest commits that verify with its secret.",
     )
     gc.add_argument("url", help="the run's mailbox URL")
