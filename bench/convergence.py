@@ -1,6 +1,6 @@
 """Convergence of DiLoCo and Streaming DiLoCo against data parallelism, at equal tokens.
 
-    python bench/convergence.py [--quick] [--only a,b] [--out DIR]
+    python bench/convergence.py [--quick] [--only a,b] [--out DIR] [--merge EARLIER.json]
 
 Same model, data, initial parameters and total tokens for every variant:
 
@@ -15,7 +15,9 @@ Same model, data, initial parameters and total tokens for every variant:
 Every variant uses the same inner optimizer and schedule (AdamW, lr 1e-3, 50 warmup steps,
 cosine decay, weight decay 0.1); nothing is tuned per variant. Prints a markdown table (held-out
 loss, bytes per node, ratio to a), writes it with the raw figures to DIR/convergence.{md,json}
-and the held-out curves to DIR/convergence.png.
+and the held-out curves to DIR/convergence.png. ``--merge`` adds the variants of an earlier run
+with the same settings (its convergence.json) to the table and plot, so that variants can run
+in separate sittings; the report names what was merged.
 """
 
 from __future__ import annotations
@@ -281,6 +283,13 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument(
+        "--merge",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help="an earlier run's convergence.json (same settings) whose variants to include",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.batch, args.inner_steps, args.eval_every = 60, 4, 20, 20
@@ -310,20 +319,52 @@ def run(args: argparse.Namespace) -> list[Result]:
     return [results[k] for k in VARIANTS if k in results]
 
 
+# Settings that do not change what a variant computes.
+_PRESENTATION = {"quick", "only", "out", "merge"}
+
+
+def merged(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
+    """The results of the earlier runs named by ``--merge``, and a note on each."""
+    results, notes = [], []
+    mine = {k: v for k, v in vars(args).items() if k not in _PRESENTATION}
+    for path in args.merge:
+        earlier = json.loads(Path(path).read_text())
+        theirs = {k: v for k, v in earlier["config"].items() if k not in _PRESENTATION}
+        if theirs != mine:
+            differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+            raise DemoError(f"--merge {path}: its settings differ in {', '.join(differ)}")
+        found = [
+            Result(**{**r, "curve": [tuple(p) for p in r["curve"]]}) for r in earlier["results"]
+        ]
+        results += found
+        notes.append(f"merged from {path}: {', '.join(f'({r.key})' for r in found)}")
+    return results, notes
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     try:
-        results = run(args)
+        earlier, notes = merged(args)
+        fresh = run(args)
     except DemoError as exc:
         print(f"convergence: error: {exc}", file=sys.stderr)
         return 1
+    by_key = {r.key: r for r in earlier} | {r.key: r for r in fresh}
+    results = [by_key[k] for k in VARIANTS if k in by_key]
     root = Path(args.out).resolve()
     config = (
         f"M={args.nodes}, {args.steps} steps per node, batch {args.batch}x{args.context}, "
         f"{args.layers} layers, d={args.dim}"
     )
     report = "\n".join(
-        [f"Convergence at equal tokens ({config})", "", table(results), "", *targets(results)]
+        [
+            f"Convergence at equal tokens ({config})",
+            "",
+            table(results),
+            "",
+            *targets(results),
+            *(["", *notes] if notes else []),
+        ]
     )
     print("\n" + report)
     (root / "convergence.md").write_text(report + "\n")
