@@ -56,6 +56,20 @@ def _boolean(instance: object, attribute: attrs.Attribute[Any], value: object) -
         raise ValueError(f"{attribute.name} must be True or False, got {value!r}")
 
 
+def _clip(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    ok = value is None or (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 1.0
+    )
+    if not ok:
+        raise ValueError(
+            f"clip must be a number >= 1.0 (a multiple of the round's median delta norm), "
+            f"or None: off; got {value!r}"
+        )
+
+
 def _quantization(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value is not None and value not in QUANTIZED:
         raise ValueError(f"quantization must be None, 'F8_E4M3' or 'F4', got {value!r}")
@@ -91,6 +105,10 @@ class DiLoCo:
         Tokens (samples) per step over all nodes; each node's ``batch_size`` is its share.
     quantization
         How deltas travel: None (F32), "F8_E4M3" or "F4" (MXFP4), with error feedback.
+    clip
+        Norm clip (None: off, the default): with at least 3 deltas in a round, a delta whose
+        L2 norm, normalized to H steps, exceeds ``clip`` times the round's median is scaled
+        down to that norm before the weighted mean (``core.robust.clip_scales``). At least 1.0.
     """
 
     inner_steps: int = attrs.field(default=500, validator=_int_at_least(1))
@@ -106,6 +124,7 @@ class DiLoCo:
     )
     global_batch: int | None = attrs.field(default=None, validator=_optional(_int_at_least(1)))
     quantization: Quantized | None = attrs.field(default=None, validator=_quantization)
+    clip: float | None = attrs.field(default=None, validator=_clip)
 
     def __attrs_post_init__(self) -> None:
         if self.fragments > self.inner_steps:

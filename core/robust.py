@@ -1,5 +1,5 @@
 """Rules that keep hostile or broken input out of a commit: size bounds known before a download,
-outlier deltas, and which reporters count toward a signed round's quorum.
+outlier deltas, the norm clip, and which reporters count toward a signed round's quorum.
 
 Every rule here is pure: the shell measures (object sizes from a LIST, delta norms from the
 backend) and these functions decide, with the reason as a string for the event that reports it.
@@ -22,6 +22,7 @@ __all__ = [
     "OUTLIER_MINIMUM",
     "RECORD_BOUND",
     "SNAPSHOT_RECORD_BOUND",
+    "clip_scales",
     "members",
     "outliers",
     "oversized",
@@ -38,7 +39,8 @@ DEFAULT_OUTLIER_FACTOR = 10.0
 """A delta whose H-normalized L2 norm exceeds this many times the round's median is excluded."""
 
 OUTLIER_MINIMUM = 3
-"""Deltas a round needs before norms are compared: with two, neither is the odd one out."""
+"""Deltas a round needs before norms are compared (outliers and the clip): with two, neither is
+the odd one out."""
 
 
 def snapshot_bound(schema: Schema) -> int:
@@ -103,6 +105,37 @@ def outliers(
                 )
             )
     return sorted(excluded)
+
+
+def clip_scales(
+    included: Sequence[Included],
+    norms: Mapping[str, float],
+    *,
+    inner_steps: int,
+    clip: float,
+) -> dict[str, float]:
+    """The factor (at most 1) each included delta is multiplied by before the weighted mean.
+
+    Norms are normalized to ``inner_steps`` steps as in ``outliers``. With at least
+    ``OUTLIER_MINIMUM`` deltas and a positive median, a delta whose normalized norm exceeds
+    ``clip`` times the median is scaled down to exactly that norm; every other delta keeps
+    factor 1.0. The closer excludes non-finite norms first (``outliers``), so one here is a
+    ``ValueError``, as is a ``clip`` below 1 (it would clip the median delta itself).
+    """
+    if not (math.isfinite(clip) and clip >= 1.0):
+        raise ValueError(f"clip must be a number >= 1.0, got {clip!r}")
+    scaled = {i.node: norms[i.node] * inner_steps / i.steps for i in included}
+    bad = sorted(n for n, v in scaled.items() if not math.isfinite(v))
+    if bad:
+        raise ValueError(f"cannot clip non-finite delta norms of {bad}: exclude them first")
+    scales = dict.fromkeys(scaled, 1.0)
+    if len(scaled) < OUTLIER_MINIMUM:
+        return scales
+    bound = clip * _median(sorted(scaled.values()))
+    for node, value in scaled.items():
+        if bound > 0.0 and value > bound:
+            scales[node] = bound / value
+    return scales
 
 
 def _median(values: Sequence[float]) -> float:

@@ -22,10 +22,11 @@ and the commit are create-only, so racing closers still commit once.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 
+from gradientmail.core import robust
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.leases import Leases
 from gradientmail.core.records import Claim, Included, Snapshot
@@ -257,14 +258,30 @@ def include(
     return chosen, excluded
 
 
-def outer_weights(algorithm: DiLoCo, included: Sequence[Included]) -> list[float]:
+def outer_weights(
+    algorithm: DiLoCo,
+    included: Sequence[Included],
+    norms: Mapping[str, float] | None = None,
+) -> list[float]:
     """Weights of the outer gradient ``sum(w_i * delta_i)``: samples-weighted and normalized to
     H steps, ``w_i = s_i * H / steps_i / sum(s)`` (Decision 5), so a delta that spans more
-    steps (a slow or rebased node) counts by its samples without amplifying the outer step."""
+    steps (a slow or rebased node) counts by its samples without amplifying the outer step.
+
+    With ``algorithm.clip`` set, each weight also carries its delta's clip factor
+    (``robust.clip_scales``; ``norms`` maps each included node to its delta's L2 norm and is
+    then required), so the backend's weighted sum needs nothing more."""
     total = sum(i.samples for i in included)
     if total <= 0:
         raise ValueError("a commit needs at least one snapshot with samples")
-    return [i.samples * algorithm.inner_steps / i.steps / total for i in included]
+    weights = [i.samples * algorithm.inner_steps / i.steps / total for i in included]
+    if algorithm.clip is None:
+        return weights
+    if norms is None:
+        raise ValueError("algorithm.clip is set: outer_weights needs the deltas' norms")
+    scales = robust.clip_scales(
+        included, norms, inner_steps=algorithm.inner_steps, clip=algorithm.clip
+    )
+    return [w * scales[i.node] for w, i in zip(weights, included, strict=True)]
 
 
 def collectable(algorithm: DiLoCo, committed: int, *, keep: int = 2) -> int | None:

@@ -23,6 +23,7 @@ def test_defaults_are_diloco_outer_nesterov() -> None:
     assert (config.outer_lr, config.outer_momentum, config.nesterov) == (0.7, 0.9, True)
     assert (config.fragments, config.overlap_steps, config.alpha) == (1, 0, None)
     assert config.quantization is None and config.global_batch is None
+    assert config.clip is None  # off: the commit is the plain weighted mean (Decision 5)
     assert config.quorum_size >= 1 and config.grace >= 0
 
 
@@ -93,6 +94,13 @@ BAD: list[tuple[str, object, str]] = [
     ("quantization", "f4", "'F8_E4M3' or 'F4'"),
     ("quantization", "F32", "'F8_E4M3' or 'F4'"),
     ("quantization", 4, "'F8_E4M3' or 'F4'"),
+    ("clip", 0.5, ">= 1.0"),
+    ("clip", 0, ">= 1.0"),
+    ("clip", -2.0, ">= 1.0"),
+    ("clip", math.inf, ">= 1.0"),
+    ("clip", math.nan, ">= 1.0"),
+    ("clip", "2", ">= 1.0"),
+    ("clip", True, ">= 1.0"),
 ]
 
 
@@ -127,6 +135,10 @@ GOOD: list[tuple[str, object]] = [
     ("quantization", "F4"),
     ("nesterov", False),
     ("quorum_size", 10_000),
+    ("clip", None),
+    ("clip", 1.0),
+    ("clip", 1),
+    ("clip", 1e6),
 ]
 
 
@@ -175,6 +187,7 @@ def configs(draw: st.DrawFn) -> DiLoCo:
         alpha=draw(st.none() | st.floats(0, 1, exclude_max=True)),
         global_batch=draw(st.none() | st.integers(1, 10**9)),
         quantization=draw(st.sampled_from([None, "F8_E4M3", "F4"])),
+        clip=draw(st.none() | st.floats(1, 1e6)),
     )
 
 
@@ -198,6 +211,7 @@ def test_to_json_names_every_field() -> None:
         "alpha": 0.5,
         "global_batch": None,
         "quantization": "F4",
+        "clip": None,
     }
 
 
@@ -245,6 +259,18 @@ def test_require_same_names_every_differing_field() -> None:
     for text in ("inner_steps: run has 500, this node 100", "outer_lr", "quantization"):
         assert text in message
     assert isinstance(info.value, ProtocolError)
+
+
+def test_require_same_names_clip_when_two_nodes_disagree() -> None:
+    with pytest.raises(ConfigMismatch) as info:
+        DiLoCo(clip=3.0).require_same(DiLoCo())
+    assert info.value.fields == (("clip", None, 3.0),)
+    assert "clip: run has None, this node 3.0" in str(info.value)
+
+
+def test_a_manifest_written_before_clip_existed_reads_as_clip_off() -> None:
+    legacy = {k: v for k, v in DiLoCo().to_json().items() if k != "clip"}
+    assert DiLoCo.from_json(legacy) == DiLoCo()
 
 
 @given(configs(), configs())
