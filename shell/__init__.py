@@ -25,6 +25,7 @@ from gradientmail.core.errors import (
 from gradientmail.events import (
     Callback,
     Claimed,
+    Clipped,
     Committed,
     Event,
     Excluded,
@@ -50,6 +51,7 @@ __all__ = [
     "BadKey",
     "Callback",
     "Claimed",
+    "Clipped",
     "Clock",
     "Committed",
     "ConfigMismatch",

@@ -20,6 +20,7 @@ import attrs
 __all__ = [
     "Callback",
     "Claimed",
+    "Clipped",
     "Committed",
     "Event",
     "Excluded",
@@ -132,6 +133,17 @@ class Excluded:
 
 
 @attrs.frozen(kw_only=True)
+class Clipped:
+    """``node``, closing ``round``, scaled the snapshot ``key``'s delta by ``factor`` (below 1)
+    to the algorithm's norm clip before the weighted mean (``DiLoCo.clip``)."""
+
+    node: str
+    round: int
+    key: str
+    factor: float
+
+
+@attrs.frozen(kw_only=True)
 class Rejected:
     """An object under the run's keys is corrupt or foreign and was not used."""
 
@@ -176,6 +188,7 @@ Event = (
     | Rebased
     | LeaseExpired
     | Excluded
+    | Clipped
     | Rejected
     | Retried
     | Left

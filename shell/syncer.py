@@ -19,11 +19,12 @@ from gradientmail.core import syncer as rules
 from gradientmail.core.codecs import Compression
 from gradientmail.core.errors import FormatError
 from gradientmail.core.leases import Leases, observe
-from gradientmail.core.records import Claim, Commit, Lease, Manifest, Snapshot
+from gradientmail.core.records import Claim, Commit, Included, Lease, Manifest, Snapshot
 from gradientmail.core.tensors import Schema
 from gradientmail.events import (
     Callback,
     Claimed,
+    Clipped,
     Committed,
     Excluded,
     LeaseExpired,
@@ -253,7 +254,9 @@ class Syncer:
         schema = self._manifest.fragment_schema(k)
         snapshots, deltas = await self._read_snapshots(r, schema)
         chosen, excluded = rules.include(self._algorithm, r, snapshots)
-        if self._outlier_factor is not None:
+        clip = self._algorithm.clip
+        norms: dict[str, float] = {}
+        if self._outlier_factor is not None or clip is not None:
             norms = {i.node: self._backend.norm(deltas[i.node]) for i in chosen}
             excluded += robust.outliers(
                 chosen, norms, inner_steps=self._algorithm.inner_steps, factor=self._outlier_factor
@@ -269,7 +272,9 @@ class Syncer:
         except ValueError as exc:  # FormatError, SchemaMismatch: a corrupt base; retried later
             self._exchange.reject(getattr(exc, "key", None) or keys.round_prefix(r), str(exc))
             return None
-        weights = rules.outer_weights(self._algorithm, chosen)
+        weights = rules.outer_weights(self._algorithm, chosen, norms)
+        if clip is not None:
+            self._report_clips(r, chosen, norms, clip)
         gradient = self._backend.weighted_sum(
             [(w, deltas[i.node]) for w, i in zip(weights, chosen, strict=True)]
         )
@@ -314,6 +319,17 @@ class Syncer:
     def _exclude(self, r: int, node: str, reason: str) -> None:
         key = keys.snapshot(r, node)
         self._on_event(Excluded(node=self.node, round=r, key=key, reason=reason))
+
+    def _report_clips(
+        self, r: int, chosen: list[Included], norms: dict[str, float], clip: float
+    ) -> None:
+        """A ``Clipped`` event for each delta the outer weights scale down (``outer_weights``)."""
+        inner_steps = self._algorithm.inner_steps
+        scales = robust.clip_scales(chosen, norms, inner_steps=inner_steps, clip=clip)
+        for node, factor in sorted(scales.items()):
+            if factor < 1.0:
+                key = keys.snapshot(r, node)
+                self._on_event(Clipped(node=self.node, round=r, key=key, factor=factor))
 
     async def _read_snapshots(
         self, r: int, schema: Schema

@@ -324,7 +324,10 @@ async def _recompute(
         loaded = backend.load(state)
         master = {n: loaded[f"master.{n}"] for n in schema.names}
         momentum = {n: loaded[f"momentum.{n}"] for n in schema.names}
-    weights = rules.outer_weights(manifest.algorithm, commit.included)
+    norms = None
+    if manifest.algorithm.clip is not None:  # the closer's norm clip, recomputed from the deltas
+        norms = {i.node: backend.norm(d) for i, d in zip(commit.included, deltas, strict=True)}
+    weights = rules.outer_weights(manifest.algorithm, commit.included, norms)
     gradient = backend.weighted_sum(list(zip(weights, deltas, strict=True)))
     master, _ = backend.outer_step(
         master,

@@ -1,25 +1,33 @@
 """The pure rules against hostile payloads (outlier norms, size bounds, quorum membership), the
-backends' norm, and a validly signed but outsized delta excluded from a real run."""
+backends' norm, a validly signed but outsized delta excluded from a real run, and the norm clip
+(``DiLoCo.clip``) in a real run, recomputed by ``audit``."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 
+import attrs
 import pytest
 from examples import DIGEST, KEYRING, NONCE, schema
 
 torch = pytest.importorskip("torch")
 
 from tamper import TamperingMailbox  # noqa: E402
-from virtual_run import committed_rounds, run_nodes  # noqa: E402
+from virtual_run import ALGORITHM, committed_rounds, run_nodes  # noqa: E402
 
 from gradientmail.adapters.torch import TorchBackend  # noqa: E402
 from gradientmail.clock import MonotonicClock  # noqa: E402
 from gradientmail.core import keys  # noqa: E402
 from gradientmail.core.codecs import compress, decompress  # noqa: E402
 from gradientmail.core.envelope import payload_digest, seal, unseal  # noqa: E402
-from gradientmail.core.records import Included, Snapshot, read_record, to_bytes  # noqa: E402
+from gradientmail.core.records import (  # noqa: E402
+    Commit,
+    Included,
+    Snapshot,
+    read_record,
+    to_bytes,
+)
 from gradientmail.core.robust import (  # noqa: E402
     RECORD_BOUND,
     members,
@@ -27,10 +35,11 @@ from gradientmail.core.robust import (  # noqa: E402
     oversized,
     snapshot_bound,
 )
-from gradientmail.events import Excluded  # noqa: E402
+from gradientmail.events import Clipped, Excluded  # noqa: E402
 from gradientmail.exchange import Exchange  # noqa: E402
 from gradientmail.mailbox import Mailbox  # noqa: E402
 from gradientmail.memory import MemoryMailbox  # noqa: E402
+from gradientmail.testing.audit import audit  # noqa: E402
 
 
 def included(node: str, steps: int = 10) -> Included:
@@ -156,3 +165,36 @@ def test_a_validly_signed_delta_a_thousand_times_too_large_is_excluded() -> None
         return [i.node for i in commit.included]
 
     assert asyncio.run(commit_4()) == ["node-0", "node-2"]
+
+
+def test_a_clip_scales_a_fast_nodes_delta_and_audit_recomputes_every_commit() -> None:
+    """node-1 trains with 4x the others' learning rate: its deltas are about 2 to 4x theirs,
+    under the outlier factor of 10, so it is included either way. With ``clip=2.0`` its
+    deltas beyond 2x the median are scaled down (a ``Clipped`` event each), the commits
+    differ from the unclipped run's from the same snapshots, and ``audit`` recomputes every
+    commit of both runs bit for bit."""
+    lrs = [0.05, 0.2, 0.05]
+    plain = run_nodes(ALGORITHM, lrs=lrs)
+    clipped = run_nodes(attrs.evolve(ALGORITHM, clip=2.0), lrs=lrs)
+    assert not [e for e in plain.events if isinstance(e, Clipped)]
+    clips = [e for e in clipped.events if isinstance(e, Clipped)]
+    assert clips and {e.key.rsplit("/", 1)[1] for e in clips} == {"node-1"}
+    assert all(0.0 < e.factor < 1.0 for e in clips)
+    for run in (plain, clipped):
+        rounds = committed_rounds(run.events)
+        report = audit(run.store, backend=TorchBackend())
+        assert report.rounds == tuple(rounds) and report.recomputed == len(rounds)
+    # Round 0 of both runs averages the very same snapshots (same initial parameters and
+    # data, nothing merged yet); only the clip makes the committed params differ.
+    first = clips[0].round
+    assert first == 0
+    before, after = commit_of(plain.store, first), commit_of(clipped.store, first)
+    assert [i.digest for i in before.included] == [i.digest for i in after.included]
+    assert len(after.included) == 3
+    assert before.params.digest != after.params.digest
+
+
+def commit_of(store: MemoryMailbox, r: int) -> Commit:
+    commit = asyncio.run(Exchange(store, MonotonicClock()).commit(r))
+    assert commit is not None
+    return commit

@@ -57,6 +57,17 @@ def test_a_mismatched_algorithm_is_refused_naming_the_fields(tmp_path: Path) -> 
     assert "inner_steps: run has 10, this node 20" in str(caught.value)
 
 
+def test_a_node_with_another_norm_clip_is_refused_naming_clip(tmp_path: Path) -> None:
+    """The clip changes what a commit computes, so it is part of the run's configuration:
+    every closer and ``audit`` must apply the same one."""
+    url = created_run(tmp_path)
+    clipped = DiLoCo(inner_steps=10, fragments=2, overlap_steps=1, grace=5.0, clip=3.0)
+    with pytest.raises(ConfigMismatch) as caught:
+        Session(make_model(), algorithm=clipped, mailbox=mailbox_from_url(url), **QUICK)
+    assert caught.value.fields == (("clip", None, 3.0),)
+    assert "clip: run has None, this node 3.0" in str(caught.value)
+
+
 def test_align_on_an_empty_mailbox_says_there_is_no_run(tmp_path: Path) -> None:
     with pytest.raises(ProtocolError, match="holds no run"):
         align(make_model(), mailbox=mailbox_from_url(f"file://{tmp_path / 'empty'}"))

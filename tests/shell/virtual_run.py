@@ -53,11 +53,13 @@ def run_nodes(
     keyrings: Sequence[Keyring | None] | None = None,
     store: MemoryMailbox | None = None,
     before: Callable[[MemoryMailbox], Awaitable[None]] | None = None,
+    lrs: Sequence[float] | None = None,
     **node_options: Any,
 ) -> VirtualRun:
     """Run ``nodes`` nodes for ``steps`` steps each and close them; ``before`` may write to the
     store first. ``keyrings`` gives each node its own keyring (else all hold ``keyring``);
-    ``store`` continues the run in an existing store."""
+    ``store`` continues the run in an existing store; ``lrs`` gives each node's inner SGD
+    learning rate (else 0.05 each)."""
     if faults is not None and wrap is not None:
         raise ValueError("pass faults= or wrap=, not both")
     clock = VirtualClock()
@@ -90,7 +92,7 @@ def run_nodes(
         assert node.learner is not None and node.syncer is not None
         scheduler.spawn(f"learner-{i}", node.learner.run())
         scheduler.spawn(f"syncer-{i}", node.syncer.run())
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05 if lrs is None else lrs[i])
         generator = torch.Generator().manual_seed(100 + i)
         for _ in range(steps):
             await clock.sleep(0.2 + 0.05 * i)
