@@ -1,6 +1,7 @@
 """Convergence of DiLoCo and Streaming DiLoCo against data parallelism, at equal tokens.
 
     python bench/convergence.py [--quick] [--only a,b] [--out DIR] [--merge EARLIER.json]
+    python bench/convergence.py --only c,c-clip [--clip 2.0]   # what the norm clip costs
 
 Same model, data, initial parameters and total tokens for every variant:
 
@@ -9,6 +10,8 @@ Same model, data, initial parameters and total tokens for every variant:
   b1  one worker alone, the per-worker batch and a node's steps (1/M of the tokens):
       the single-worker baseline of DiLoCo's Table 2
   c   DiLoCo, M worker processes through a directory mailbox, H inner steps per round
+  c-clip  c with the norm clip (DiLoCo.clip, --clip x the round's median); only when asked
+      for with --only, and reported with how many deltas it scaled down
   d   Streaming DiLoCo: K fragments, tau overlapping steps, alpha = 0.5
   e   d with F4 (MXFP4) deltas
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -44,7 +48,8 @@ from gradientmail.demo.processes import (
 )
 from gradientmail.demo.progress import human_bytes
 
-VARIANTS = ("a", "b", "b1", "c", "d", "e")
+VARIANTS = ("a", "b", "b1", "c", "c-clip", "d", "e")
+DEFAULT_VARIANTS = ("a", "b", "b1", "c", "d", "e")
 
 
 @attrs.frozen(kw_only=True)
@@ -108,6 +113,14 @@ def variants(args: argparse.Namespace) -> dict[str, Variant]:
                 batch=b,
                 steps=s,
                 sync=("--inner-steps", str(h)),
+            ),
+            Variant(
+                key="c-clip",
+                title=f"DiLoCo, {m} nodes, H={h}, clip {args.clip:g}x median",
+                processes=m,
+                batch=b,
+                steps=s,
+                sync=("--inner-steps", str(h), "--clip", str(args.clip)),
             ),
             Variant(
                 key="d",
@@ -203,9 +216,13 @@ def result_of(
         sent = sum(s["bytes_out"] for s in summaries) / len(summaries)
         received = sum(s["bytes_in"] for s in summaries) / len(summaries)
     tokens = variant.steps * tokens_per_step
+    title = variant.title
+    if variant.sync is not None and "--clip" in variant.sync:
+        clipped, deltas = clip_counts(out)
+        title += f" ({clipped} of {deltas} deltas clipped)"
     return Result(
         key=variant.key,
-        title=variant.title,
+        title=title,
         tokens=tokens,
         heldout=heldout,
         sent=sent,
@@ -213,6 +230,19 @@ def result_of(
         seconds=seconds,
         curve=[*curve, (tokens, heldout)],
     )
+
+
+def clip_counts(out: Path) -> tuple[int, int]:
+    """Deltas the closers scaled down (``Clipped`` events) and deltas committed, from the
+    workers' logs of one variant."""
+    clipped = deltas = 0
+    for log in out.glob("*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            if " Clipped node=" in line:
+                clipped += 1
+            elif " Committed node=" in line and (found := re.search(r" included=(\d+)", line)):
+                deltas += int(found.group(1))
+    return clipped, deltas
 
 
 def table(results: Sequence[Result]) -> str:
@@ -251,6 +281,9 @@ def targets(results: Sequence[Result]) -> list[str]:
         check("(c) within 2% of (a)", gap <= 0.02, f"{100 * gap:+.2f}%")
         comm = (r["a"].sent + r["a"].received) / max(1.0, r["c"].sent + r["c"].received)
         check("(c) at least 50x less communication than (a)", comm >= 50, f"{comm:.0f}x")
+    if "c" in r and "c-clip" in r:
+        cost = r["c-clip"].heldout / r["c"].heldout - 1
+        checks.append(f"- cost of the norm clip: (c-clip) vs (c) {100 * cost:+.2f}% held-out loss")
     if "d" in r and "e" in r:
         gap = r["e"].heldout / r["d"].heldout - 1
         check("(e) within 1% of (d)", gap <= 0.01, f"{100 * gap:+.2f}%")
@@ -269,7 +302,11 @@ def targets(results: Sequence[Result]) -> list[str]:
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--quick", action="store_true", help="a short smoke configuration")
-    p.add_argument("--only", default=",".join(VARIANTS), help="comma-separated variants")
+    p.add_argument(
+        "--only",
+        default=",".join(DEFAULT_VARIANTS),
+        help=f"comma-separated variants of {','.join(VARIANTS)} (default: all but c-clip)",
+    )
     p.add_argument("--out", default="/tmp/gradientmail-bench", help="output directory")
     p.add_argument("--nodes", type=int, default=4, help="M")
     p.add_argument("--steps", type=int, default=500, help="inner steps of one DiLoCo node")
@@ -277,6 +314,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--inner-steps", type=int, default=50, help="H")
     p.add_argument("--fragments", type=int, default=2, help="K for (d) and (e)")
     p.add_argument("--overlap", type=int, default=2, help="tau for (d) and (e)")
+    p.add_argument(
+        "--clip", type=float, default=2.0, help="(c-clip)'s norm clip, x the round's median"
+    )
     p.add_argument("--eval-every", type=int, default=100, help="node steps between evaluations")
     p.add_argument("--eval-windows", type=int, default=128, help="held-out sequences")
     p.add_argument("--context", type=int, default=128)
@@ -294,6 +334,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.quick:
         args.steps, args.batch, args.inner_steps, args.eval_every = 60, 4, 20, 20
         args.context, args.layers, args.dim, args.eval_windows = 64, 2, 64, 16
+    if not args.clip >= 1.0:
+        p.error(f"--clip must be at least 1.0 (x the round's median delta norm), got {args.clip}")
     unknown = sorted(set(args.only.split(",")) - set(VARIANTS))
     if unknown:
         p.error(f"--only: unknown variants {unknown}; choose from {','.join(VARIANTS)}")
@@ -321,6 +363,8 @@ def run(args: argparse.Namespace) -> list[Result]:
 
 # Settings that do not change what a variant computes.
 _PRESENTATION = {"quick", "only", "out", "merge"}
+# Settings newer than some convergence.json files; see merged().
+_ADDED_SINCE = {"clip"}
 
 
 def merged(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
@@ -330,6 +374,8 @@ def merged(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
     for path in args.merge:
         earlier = json.loads(Path(path).read_text())
         theirs = {k: v for k, v in earlier["config"].items() if k not in _PRESENTATION}
+        # A setting added since that run (--clip) changed none of its variants.
+        theirs |= {k: mine[k] for k in _ADDED_SINCE if k not in theirs}
         if theirs != mine:
             differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
             raise DemoError(f"--merge {path}: its settings differ in {', '.join(differ)}")

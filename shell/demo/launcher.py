@@ -57,6 +57,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization", choices=("F8_E4M3", "F4"), default=None, help="quantize deltas"
     )
+    p.add_argument(
+        "--clip", type=float, default=None, help="norm clip, x the round's median (default off)"
+    )
     p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum")
     p.add_argument(
@@ -113,6 +116,7 @@ def worker_argv(args: argparse.Namespace, *, framework: str) -> list[str]:
         "eval_windows",
         "overlap_steps",
         "quantization",
+        "clip",
         "outer_lr",
         "outer_momentum",
     ):

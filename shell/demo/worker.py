@@ -72,11 +72,16 @@ def algorithm_of(args: argparse.Namespace) -> Any:
     """The run's algorithm: Streaming DiLoCo when ``--fragments`` > 1, DiLoCo otherwise.
 
     Options left unset keep the algorithm's own defaults (``DiLoCo.streaming``'s alpha and
-    overlap, plain DiLoCo's synchronous overlap); ``--quantization`` unset means F32 deltas.
+    overlap, plain DiLoCo's synchronous overlap); ``--quantization`` unset means F32 deltas,
+    ``--clip`` unset no norm clip.
     """
     from gradientmail import DiLoCo
 
-    changes: dict[str, Any] = {"inner_steps": args.inner_steps, "quantization": args.quantization}
+    changes: dict[str, Any] = {
+        "inner_steps": args.inner_steps,
+        "quantization": args.quantization,
+        "clip": args.clip,
+    }
     if args.overlap_steps is not None:
         changes["overlap_steps"] = args.overlap_steps
     if args.fragments > 1:
@@ -228,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fragments", type=int, default=1, help="K > 1: Streaming DiLoCo")
     p.add_argument("--overlap-steps", type=int, default=None, help="tau: steps a sync overlaps")
     p.add_argument("--quantization", choices=("F8_E4M3", "F4"), default=None)
+    p.add_argument(
+        "--clip", type=float, default=None, help="norm clip, x the round's median (default off)"
+    )
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--poll-interval", type=float, default=0.2, help="seconds")

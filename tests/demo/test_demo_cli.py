@@ -55,6 +55,7 @@ def test_demo_help_names_its_options() -> None:
         "--inner-steps",
         "--fragments",
         "--quantization",
+        "--clip",
         "--out",
     ):
         assert option in out
@@ -66,6 +67,7 @@ def test_demo_help_names_its_options() -> None:
         (["demo", "--nodes", "0"], "--nodes must be at least 1"),
         (["demo", "--mailbox", "memory://run"], "memory:// mailboxes live in one process"),
         (["demo", "--inner-steps", "4", "--fragments", "8"], "fragments"),
+        (["demo", "--clip", "0.5"], "clip must be a number >= 1.0"),
     ],
 )
 def test_errors_are_one_line(argv: list[str], message: str, tmp_path: Path) -> None:
