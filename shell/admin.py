@@ -24,14 +24,14 @@ from gradientmail.core import keys
 from gradientmail.core import syncer as rules
 from gradientmail.core.errors import FormatError, ProtocolError
 from gradientmail.core.records import Commit, Lease, Manifest
-from gradientmail.core.robust import RECORD_BOUND, members, oversized
+from gradientmail.core.robust import members
 from gradientmail.core.signing import Keyring
 from gradientmail.events import Event, Rejected
 from gradientmail.exchange import Exchange
 from gradientmail.mailbox import Mailbox, ObjectInfo
 from gradientmail.run import SecretSources, read_manifest
 
-__all__ = ["Rejections", "collect", "newest_verified", "read_leases", "status"]
+__all__ = ["Rejections", "RunReader", "collect", "newest_verified", "read_leases", "status"]
 
 
 class Rejections:
@@ -47,8 +47,9 @@ class Rejections:
             self.found.append((event.key, reason))
 
 
-class _Reader:
-    """An exchange for ``name`` that gathers what it rejects."""
+class RunReader:
+    """A read-only exchange named ``name`` (``status``, ``collect``, ``audit``) that gathers
+    what it rejects, and the words its errors use to say how to give it a secret."""
 
     def __init__(self, mailbox: Mailbox, clock: Clock, name: str, keyring: Keyring | None) -> None:
         self.rejections = Rejections()
@@ -123,19 +124,12 @@ async def _hinted(exchange: Exchange, fragment: int, K: int) -> Commit | None:
 
 
 async def read_leases(exchange: Exchange) -> dict[str, tuple[Lease, ObjectInfo]]:
-    """Every lease a node would accept, with its listing entry, from one LIST of ``leases/``;
-    the others (foreign keys, oversized, unreadable, not verifying in a signed run, or naming
-    another node than the key's) are reported through ``exchange.reject``."""
+    """Every lease a node would accept, with its listing entry, from one LIST of ``leases/``
+    (``Exchange.lease_infos``, which reports foreign keys and oversized objects) and a GET
+    each; the unreadable ones, those not verifying in a signed run, and those naming another
+    node than the key's are reported through ``exchange.reject``."""
     found = {}
-    for info in await exchange.mailbox.list(keys.LEASES):
-        try:
-            node = keys.parse(info.key).node
-        except FormatError:
-            node = None
-        reason = "not a lease key" if node is None else oversized(info.size, RECORD_BOUND)
-        if node is None or reason is not None:
-            exchange.reject(info.key, reason or "not a lease key")
-            continue
+    for node, info in (await exchange.lease_infos()).items():
         try:
             lease = await exchange.lease(node)
         except FormatError as exc:
@@ -168,7 +162,7 @@ async def status(
     ``"unverified_reporters"``.
     """
     clock = clock or MonotonicClock()
-    reader = _Reader(mailbox, clock, "status", keyring)
+    reader = RunReader(mailbox, clock, "status", keyring)
     exchange = reader.exchange
     manifest = await reader.manifest(sources)
     first = await _leases(exchange)
@@ -251,7 +245,7 @@ async def collect(
     run still needs. Commit records are never deleted, forged or not."""
     if keep < 1:
         raise ValueError(f"keep must be at least 1 round per fragment, got {keep}")
-    reader = _Reader(mailbox, MonotonicClock(), "collect", keyring)
+    reader = RunReader(mailbox, MonotonicClock(), "collect", keyring)
     exchange = reader.exchange
     manifest = await reader.manifest(sources)
     K = manifest.algorithm.fragments

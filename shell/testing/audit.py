@@ -23,7 +23,7 @@ from collections import defaultdict
 import attrs
 
 from gradientmail.adapters.base import Backend
-from gradientmail.admin import Rejections, read_leases
+from gradientmail.admin import RunReader, read_leases
 from gradientmail.clock import MonotonicClock
 from gradientmail.core import keys
 from gradientmail.core import syncer as rules
@@ -35,15 +35,9 @@ from gradientmail.core.signing import Keyring
 from gradientmail.core.tensors import Schema, TensorBytes
 from gradientmail.exchange import Exchange
 from gradientmail.mailbox import Mailbox
-from gradientmail.run import SecretSources, read_fragment, read_manifest
+from gradientmail.run import read_fragment, read_manifest
 
 __all__ = ["AuditError", "AuditReport", "audit", "audit_async"]
-
-_SOURCES = SecretSources(
-    reader="audit",
-    how="pass keyring=Keyring.of(secret) (from gradientmail.core.signing) to audit",
-    origins="keyring=",
-)
 
 
 class AuditError(AssertionError):
@@ -103,9 +97,9 @@ async def audit_async(
     keyring: Keyring | None = None,
 ) -> AuditReport:
     """``audit`` as a coroutine, for callers already inside an event loop."""
-    rejected = Rejections()
-    exchange = Exchange(mailbox, MonotonicClock(), node="audit", on_event=rejected, keyring=keyring)
-    manifest = await read_manifest(exchange, sources=_SOURCES)
+    reader = RunReader(mailbox, MonotonicClock(), "audit", keyring)
+    exchange = reader.exchange
+    manifest = await read_manifest(exchange, sources=reader.sources)
     if manifest is None:
         raise AuditError(["no manifest: the mailbox holds no run"])
     violations: list[str] = []
@@ -147,7 +141,7 @@ async def audit_async(
         recomputed=recomputed,
         samples=sum(c.samples for c in commits.values()),
         foreign=tuple(foreign),
-        rejected=tuple(sorted(rejected.found)),
+        rejected=tuple(sorted(reader.rejections.found)),
     )
 
 
