@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from gradientmail.adapters.torch import (  # noqa: E402
 from gradientmail.clock import MonotonicClock  # noqa: E402
 from gradientmail.core import keys  # noqa: E402
 from gradientmail.core.robust import snapshot_bound  # noqa: E402
+from gradientmail.core.signing import Keyring  # noqa: E402
 from gradientmail.events import Excluded, Rejected  # noqa: E402
 from gradientmail.exchange import Exchange  # noqa: E402
 from gradientmail.mailbox import Mailbox  # noqa: E402
@@ -74,16 +76,7 @@ def test_a_hostile_writer_changes_nothing_in_a_signed_run() -> None:
     assert keys.lease("mallory") in rejected
     assert any("claims" in k and "bad signature" in reason for k, reason in rejected.items())
 
-    async def included() -> set[str]:
-        exchange = Exchange(store, MonotonicClock())
-        found: set[str] = set()
-        for r in rounds:
-            commit = await exchange.commit(r)
-            assert commit is not None
-            found |= {i.node for i in commit.included}
-        return found
-
-    assert asyncio.run(included()) == HONEST
+    assert included(store, rounds) == HONEST
     # The audit reads the store as the hostile writer left it: everything it planted is
     # reported (rejected, or foreign to the key layout), and nothing counts as a violation.
     report = audit(store, backend=TorchBackend(), keyring=KEYRING)
@@ -116,11 +109,11 @@ def start_writer(url: str, tmp: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
 
 
-def included(url: str, rounds: tuple[int, ...]) -> set[str]:
+def included(mailbox: Mailbox, rounds: Iterable[int], keyring: Keyring | None = None) -> set[str]:
     """The nodes whose snapshots the commits of ``rounds`` include."""
 
     async def read() -> set[str]:
-        exchange = Exchange(mailbox_from_url(url), MonotonicClock(), keyring=KEYRING)
+        exchange = Exchange(mailbox, MonotonicClock(), keyring=keyring)
         found: set[str] = set()
         for r in rounds:
             commit = await exchange.commit(r)
@@ -186,7 +179,7 @@ def test_a_hostile_writer_process_beside_three_node_processes_changes_no_outcome
     planted = set(wrote["planted"])
     assert planted <= set(rejected) | set(report.foreign), "every object it wrote is reported"
     assert set(rejected) <= planted, "no honest object is rejected"
-    assert included(hostile.url, report.rounds) == HONEST
+    assert included(mailbox_from_url(hostile.url), report.rounds, KEYRING) == HONEST
 
     losses = {}
     for name, cluster in runs.items():
