@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
 from gradientmail.adapters.base import Adapter, Backend, Tensors
+from gradientmail.clock import Bell
 from gradientmail.core import keys
 from gradientmail.core import learner as rules
 from gradientmail.core.algorithm import DiLoCo
@@ -58,6 +59,8 @@ class Learner:
         compression: Compression,
         poll_interval: float,
         on_event: Callback,
+        bell: Bell | None = None,
+        uploaded: Callable[[], None] | None = None,
     ) -> None:
         self.node = node
         self.algorithm: DiLoCo = manifest.algorithm
@@ -69,6 +72,10 @@ class Learner:
         self._compression = compression
         self._poll_interval = poll_interval
         self._on_event = on_event
+        # Optional, for real time (Session): ``bell`` wakes the loop when a capture is queued,
+        # ``uploaded`` tells the syncer a snapshot is out. Without them the loop just polls.
+        self._bell = bell
+        self._uploaded = uploaded
         K = self.algorithm.fragments
         rounds = tuple(c.round if c else -1 for c in merged)
         # Training-thread state.
@@ -189,6 +196,7 @@ class Learner:
         with self._lock:
             self._jobs.append(job)
             self._lock.notify_all()
+        self.wake()
 
     # -- communication loop ---------------------------------------------------------------
 
@@ -201,7 +209,10 @@ class Learner:
                 with self._lock:
                     if self._stopping and not self._jobs:
                         return
-                await self._exchange.clock.sleep(self._poll_interval)
+                if self._bell is not None:
+                    await self._bell.sleep(self._poll_interval)
+                else:
+                    await self._exchange.clock.sleep(self._poll_interval)
         except BaseException as exc:
             self.fail(exc)
             raise
@@ -209,6 +220,12 @@ class Learner:
     def stop(self) -> None:
         with self._lock:
             self._stopping = True
+        self.wake()
+
+    def wake(self) -> None:
+        """Cut the loop's poll sleep short (a commit may be waiting), where it has a bell."""
+        if self._bell is not None:
+            self._bell.ring()
 
     def fail(self, exc: BaseException) -> None:
         with self._lock:
@@ -246,6 +263,8 @@ class Learner:
         )
         ours = await self._exchange.publish(snapshot, data, self._compression)
         self._ledger.published(publish.round)
+        if self._uploaded is not None:
+            self._uploaded()
         if not ours:
             self._on_event(
                 Rejected(

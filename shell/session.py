@@ -20,7 +20,7 @@ from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
 from gradientmail.adapters import Adapter, Backend, backend_for, default_backend
-from gradientmail.clock import Clock, MonotonicClock
+from gradientmail.clock import Bell, Clock, MonotonicClock
 from gradientmail.core import keys
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.codecs import Compression
@@ -96,7 +96,9 @@ def default_learner_id() -> str:
 class Node:
     """A node's learner and syncer over one mailbox and clock, without threads: the part of a
     ``Session`` a simulator drives directly (``join``, then the ``learner.run`` and
-    ``syncer.run`` coroutines, and ``advance``/``blocked`` for the training side)."""
+    ``syncer.run`` coroutines, and ``advance``/``blocked`` for the training side). ``bells``
+    (real time on an ``asyncio`` loop only, as in ``Session``) lets the two loops wake each
+    other: a capture is uploaded, an upload considered and a commit fetched at once."""
 
     def __init__(
         self,
@@ -117,6 +119,7 @@ class Node:
         keep_rounds: int | None = 2,
         keyring: Keyring | None = None,
         outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
+        bells: bool = False,
     ) -> None:
         keys.check_node(learner_id)
         if poll_interval <= 0 or lease_every <= 0:
@@ -153,6 +156,8 @@ class Node:
             "keep_rounds": keep_rounds,
             "outlier_factor": outlier_factor,
         }
+        # Real time only (Bell): the loops wake each other instead of waiting for a poll.
+        self._bells = (Bell(), Bell()) if bells else None
         self.learner: Learner | None = None
         self.syncer: Syncer | None = None
 
@@ -171,6 +176,7 @@ class Node:
         newest = await load_newest(self.exchange, manifest)
         for _, tensors in newest:
             self.adapter.write(tensors)
+        learner_bell, syncer_bell = self._bells or (None, None)
         ledger = Ledger()
         for commit, _ in newest:
             if commit is not None:
@@ -187,6 +193,8 @@ class Node:
             compression=s["compression"],
             poll_interval=s["poll_interval"],
             on_event=self.on_event,
+            bell=learner_bell,
+            uploaded=syncer_bell.ring if syncer_bell is not None else None,
         )
         self.syncer = Syncer(
             exchange=self.exchange,
@@ -202,6 +210,8 @@ class Node:
             keep_rounds=s["keep_rounds"],
             outlier_factor=s["outlier_factor"],
             on_event=self.on_event,
+            bell=syncer_bell,
+            committed=self.learner.wake,
         )
         await self.syncer.tick()
         self.on_event(
@@ -343,6 +353,7 @@ class Session:
             keep_rounds=keep_rounds,
             keyring=keyring_from(secret, secret_file),
             outlier_factor=outlier_factor,
+            bells=True,
         )
         self._poll_interval = poll_interval
         self._close_timeout = close_timeout
