@@ -90,6 +90,9 @@ class Learner:
         # counted: a node that jumps ahead must know whether its snapshot was counted.
         self._ready: deque[tuple[Commit, Tensors, frozenset[tuple[str, str]]]] = deque()
         self._drop_residual: set[int] = set()
+        # Commits this node's syncer wrote, with their parameters (``handed``): fetched from
+        # here instead of read back from the mailbox.
+        self._handed: dict[int, tuple[Commit, Tensors]] = {}
         self._failure: BaseException | None = None
         self._stopping = False
         # Communication-loop state.
@@ -222,6 +225,13 @@ class Learner:
             self._stopping = True
         self.wake()
 
+    def handed(self, commit: Commit, params: Tensors) -> None:
+        """A commit this node's syncer has just written, with the parameters it committed
+        (any thread): the loop takes it from here at its next poll, which this starts now."""
+        with self._lock:
+            self._handed[commit.round] = (commit, params)
+        self.wake()
+
     def wake(self) -> None:
         """Cut the loop's poll sleep short (a commit may be waiting), where it has a bell."""
         if self._bell is not None:
@@ -314,6 +324,14 @@ class Learner:
     ) -> tuple[Commit, Tensors, frozenset[tuple[str, str]]] | None:
         """Round ``r``'s commit of fragment ``k``, its verified parameters and every snapshot
         it (and any commit skipped to reach it) counted; None when there is none yet."""
+        with self._lock:
+            handed = self._handed.pop(r, None)
+            for stale in [h for h in self._handed if h < r and h % self.algorithm.fragments == k]:
+                del self._handed[stale]
+        if handed is not None:
+            # Written by this node's syncer, create-only: exactly what a read would return.
+            own, params = handed
+            return own, params, frozenset((i.node, i.nonce) for i in own.included)
         commit = await self._exchange.commit(r)
         if commit is None:
             return None
