@@ -100,7 +100,6 @@ class Syncer:
         self._counter = 0
         self._next_renewal = float("-inf")
         self._next_observation = float("-inf")
-        self._observed_at = float("-inf")
         self._expired: set[str] = set()
         self.leaving = False
         self._stopping = False
@@ -141,6 +140,7 @@ class Syncer:
             self._next_renewal = now + self._lease_every
         if now >= self._next_observation:
             await self._observe_leases()
+            self._next_observation = now + self._lease_every / 2
         for r in self._ledger.watched():
             await self._round(r)
 
@@ -150,8 +150,6 @@ class Syncer:
         await self._exchange.put_lease(lease)
 
     async def _observe_leases(self) -> None:
-        self._observed_at = self._clock.now()
-        self._next_observation = self._observed_at + self._lease_every / 2
         infos = await self._exchange.lease_infos()
         listing: dict[str, tuple[str, bool, str]] = {}
         for node, info in infos.items():
@@ -188,22 +186,16 @@ class Syncer:
             self._forget(r)
             return
         watch = self._watches.get(r) or rules.RoundWatch(round=r)
-        previous = rules.previous_round(self._algorithm, r)
-        before = self._ledger.commit(previous) if previous >= 0 else None
         if watch.open_since is None or r not in self._views:
-            listed_at = self._clock.now()
             listed = await self._exchange.reporters(r)
-            if before is None and self._observed_at < listed_at:
-                # A fragment's first round expects every active node (core.syncer): judge
-                # that from leases read after the snapshots were, or a node that joined since
-                # the last observation is left out of a round it is about to report to.
-                await self._observe_leases()
             if self._exchange.keyring is not None:
                 listed = list(robust.members(listed, self._known))
             self._views[r] = tuple(listed)
         claims: tuple[Claim, ...] = ()
         if watch.open_since is not None:
             claims = tuple(await self._exchange.claims(r))
+        previous = rules.previous_round(self._algorithm, r)
+        before = self._ledger.commit(previous) if previous >= 0 else None
         view = rules.RoundView(
             round=r,
             reporters=self._views[r],
