@@ -6,7 +6,8 @@ Closing (docs/protocol.md has the diagram). Round ``r`` may close once it has a 
 either every *expected* node has reported, or ``quorum_size`` snapshots exist and ``grace``
 seconds have passed since this observer first saw them. Expected nodes are the active (live, not
 left) nodes that reported in the fragment's previous round, or every active node for a
-fragment's first round. So a synchronous run closes as soon as everyone is in; a straggler costs
+fragment's first round (with those seen reporting elsewhere whose leases this observer has not
+listed yet). So a synchronous run closes as soon as everyone is in; a straggler costs
 at most ``grace``; a newcomer is not waited for until it has reported once; and no cycle of
 waiting nodes can stall the run, since the grace timer always runs out.
 
@@ -49,13 +50,16 @@ __all__ = [
 class RoundView:
     """What a node has read of round ``round``: the reporters listed under its snapshots
     (sorted), the reporters of the fragment's previous round (None for a fragment's first
-    round), the claims read, and whether its commit exists."""
+    round), the claims read, whether its commit exists, and ``peers``: the nodes it has seen
+    report in any round (sorted), which a fragment's first round also expects while the
+    observer's lease view does not list them yet."""
 
     round: int
     reporters: tuple[str, ...]
     previous_reporters: tuple[str, ...] | None
     claims: tuple[Claim, ...] = ()
     committed: bool = False
+    peers: tuple[str, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -187,7 +191,12 @@ def _closable(
     if not reporters:
         return watch, Wait(until=None, reason=f"round {view.round} has no snapshot yet")
     active = leases.active(now=now, lease_timeout=lease_timeout)
-    expected = active if view.previous_reporters is None else active & set(view.previous_reporters)
+    if view.previous_reporters is None:
+        # A fragment's first round: every active node, and every node seen reporting that the
+        # lease view has not caught up with (its lease LIST is older than that node's join).
+        expected = active | (set(view.peers) - set(leases.by_node))
+    else:
+        expected = active & set(view.previous_reporters)
     if not expected <= reporters:
         if len(reporters) < algorithm.quorum_size:
             return watch, Wait(

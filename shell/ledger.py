@@ -15,6 +15,7 @@ class Ledger:
         self._lock = threading.Lock()
         self._watched: set[int] = set()
         self._commits: dict[int, Commit] = {}
+        self._peers: set[str] = set()
 
     def published(self, r: int) -> None:
         """This node has a snapshot in round ``r``: its syncer watches the round."""
@@ -25,6 +26,7 @@ class Ledger:
     def committed(self, commit: Commit) -> None:
         with self._lock:
             self._commits[commit.round] = commit
+            self._peers.update(i.node for i in commit.included)
             self._watched.discard(commit.round)
             # Only the previous round of each fragment is consulted; keep a bounded window.
             for old in [r for r in self._commits if r < commit.round - 64]:
@@ -33,6 +35,11 @@ class Ledger:
     def commit(self, r: int) -> Commit | None:
         with self._lock:
             return self._commits.get(r)
+
+    def peers(self) -> frozenset[str]:
+        """Every node a commit read since joining included: known to have trained in the run."""
+        with self._lock:
+            return frozenset(self._peers)
 
     def watched(self) -> list[int]:
         with self._lock:

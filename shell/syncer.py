@@ -203,6 +203,8 @@ class Syncer:
                 tuple(i.node for i in before.included) if before is not None else None
             ),
             claims=claims,
+            # From commits, which are verified in a signed run: a listing could name anyone.
+            peers=tuple(sorted(self._ledger.peers() - {self.node})),
         )
         watch, decision = rules.decide(
             view,

@@ -9,6 +9,7 @@ import math
 import random
 from collections.abc import Iterable
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -432,3 +433,29 @@ def test_a_watch_of_another_round_is_refused() -> None:
     ls = leases(["a", "b"])
     with pytest.raises(ValueError, match="round"):
         decide(view(1, ["a"], previous=["a", "b"]), RoundWatch(round=0), ls, "a", T0)
+
+
+def test_a_first_round_also_expects_peers_its_lease_view_has_not_listed_yet() -> None:
+    # b and c trained in earlier rounds (peers) but this observer's last lease LIST predates
+    # their joins: the fragment's first round waits for them as for active nodes...
+    ls = leases(["a"])
+    v = attrs.evolve(view(1, ["a"]), peers=("b", "c"))
+    _, decision = decide(v, RoundWatch(round=1), ls, "a", T0, algo(quorum=2))
+    assert isinstance(decision, Wait) and "['b', 'c']" in decision.reason
+    v = attrs.evolve(view(1, ["a", "b", "c"]), peers=("b", "c"))
+    _, decision = decide(v, RoundWatch(round=1), ls, first(v, ls), T0, algo(quorum=5))
+    assert isinstance(decision, ClaimRound)
+
+
+def test_peers_whose_leases_say_they_left_or_expired_are_not_waited_for() -> None:
+    ls = leases(["a", "d"], expired=["b"], left=["d"])
+    v = attrs.evolve(view(1, ["a"]), peers=("b", "d"))
+    _, decision = decide(v, RoundWatch(round=1), ls, "a", T0, algo(quorum=3))
+    assert isinstance(decision, ClaimRound)
+
+
+def test_peers_do_not_matter_once_the_fragment_has_a_previous_round() -> None:
+    ls = leases(["a"])
+    v = attrs.evolve(view(5, ["a"], previous=["a"]), peers=("b",))
+    _, decision = decide(v, RoundWatch(round=5), ls, "a", T0, algo(quorum=3))
+    assert isinstance(decision, ClaimRound)

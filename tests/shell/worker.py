@@ -154,11 +154,8 @@ class SlowCommits:
         await self._inner.close()
 
 
-def wait_for(nodes: list[str], url: str, timeout: float = 120.0, settle: float = 0.5) -> None:
-    """Return once every node of ``nodes`` has a lease in the run at ``url``, and ``settle``
-    seconds more (the workers' ``lease_every``), so every node's syncer has listed the leases
-    since: a fragment's first round expects the active nodes its closer has seen, and a closer
-    with an older view would close it before the others report (docs/decisions.md)."""
+def wait_for(nodes: list[str], url: str, timeout: float = 120.0) -> None:
+    """Return once every node of ``nodes`` has a lease in the run at ``url``."""
     import asyncio
 
     from gradientmail.core import keys
@@ -170,7 +167,6 @@ def wait_for(nodes: list[str], url: str, timeout: float = 120.0, settle: float =
         if time.monotonic() > deadline:
             raise TimeoutError(f"nodes {sorted(nodes)} did not all join within {timeout} s")
         time.sleep(0.02)
-    time.sleep(settle)
 
 
 def main() -> int:
