@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Bell", "Clock", "MonotonicClock"]
+__all__ = ["Bell", "Clock", "MonotonicClock", "nap"]
 
 
 @runtime_checkable
@@ -72,3 +72,11 @@ class Bell:
             await asyncio.wait_for(event.wait(), timeout=max(0.0, seconds))
         with self._lock:
             self._rung = False
+
+
+async def nap(clock: Clock, bell: Bell | None, seconds: float) -> None:
+    """A loop's poll sleep: ``seconds`` of ``clock``, cut short by ``bell`` where it has one."""
+    if bell is not None:
+        await bell.sleep(seconds)
+    else:
+        await clock.sleep(seconds)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from gradientmail.adapters.base import Adapter, Backend, Tensors
-from gradientmail.clock import Bell
+from gradientmail.clock import Bell, nap
 from gradientmail.core import keys
 from gradientmail.core import learner as rules
 from gradientmail.core.algorithm import DiLoCo
@@ -90,9 +90,6 @@ class Learner:
         # counted: a node that jumps ahead must know whether its snapshot was counted.
         self._ready: deque[tuple[Commit, Tensors, frozenset[tuple[str, str]]]] = deque()
         self._drop_residual: set[int] = set()
-        # Commits this node's syncer wrote, with their parameters (``handed``): fetched from
-        # here instead of read back from the mailbox.
-        self._handed: dict[int, tuple[Commit, Tensors]] = {}
         self._failure: BaseException | None = None
         self._stopping = False
         # Communication-loop state.
@@ -212,10 +209,7 @@ class Learner:
                 with self._lock:
                     if self._stopping and not self._jobs:
                         return
-                if self._bell is not None:
-                    await self._bell.sleep(self._poll_interval)
-                else:
-                    await self._exchange.clock.sleep(self._poll_interval)
+                await nap(self._exchange.clock, self._bell, self._poll_interval)
         except BaseException as exc:
             self.fail(exc)
             raise
@@ -223,13 +217,6 @@ class Learner:
     def stop(self) -> None:
         with self._lock:
             self._stopping = True
-        self.wake()
-
-    def handed(self, commit: Commit, params: Tensors) -> None:
-        """A commit this node's syncer has just written, with the parameters it committed
-        (any thread): the loop takes it from here at its next poll, which this starts now."""
-        with self._lock:
-            self._handed[commit.round] = (commit, params)
         self.wake()
 
     def wake(self) -> None:
@@ -324,14 +311,6 @@ class Learner:
     ) -> tuple[Commit, Tensors, frozenset[tuple[str, str]]] | None:
         """Round ``r``'s commit of fragment ``k``, its verified parameters and every snapshot
         it (and any commit skipped to reach it) counted; None when there is none yet."""
-        with self._lock:
-            handed = self._handed.pop(r, None)
-            for stale in [h for h in self._handed if h < r and h % self.algorithm.fragments == k]:
-                del self._handed[stale]
-        if handed is not None:
-            # Written by this node's syncer, create-only: exactly what a read would return.
-            own, params = handed
-            return own, params, frozenset((i.node, i.nonce) for i in own.included)
         commit = await self._exchange.commit(r)
         if commit is None:
             return None

@@ -211,7 +211,7 @@ class Node:
             outlier_factor=s["outlier_factor"],
             on_event=self.on_event,
             bell=syncer_bell,
-            committed=self.learner.handed,
+            committed=self.learner.wake,
         )
         await self.syncer.tick()
         self.on_event(

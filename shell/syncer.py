@@ -15,7 +15,7 @@ from collections.abc import Callable
 import attrs
 
 from gradientmail.adapters.base import Backend, Tensors
-from gradientmail.clock import Bell
+from gradientmail.clock import Bell, nap
 from gradientmail.core import keys, robust
 from gradientmail.core import syncer as rules
 from gradientmail.core.codecs import Compression
@@ -67,7 +67,7 @@ class Syncer:
         keep_rounds: int | None = 2,
         outlier_factor: float | None = robust.DEFAULT_OUTLIER_FACTOR,
         bell: Bell | None = None,
-        committed: Callable[[Commit, Tensors], None] | None = None,
+        committed: Callable[[], None] | None = None,
     ) -> None:
         if outlier_factor is not None and not outlier_factor > 1.0:
             raise ValueError(f"outlier_factor must be above 1 (or None: off), got {outlier_factor}")
@@ -88,8 +88,7 @@ class Syncer:
         self._keep_rounds = keep_rounds
         self._outlier_factor = outlier_factor
         # Optional, for real time (Session): ``bell`` wakes the loop (the learner uploaded, the
-        # node is leaving). ``committed`` hands the learner a commit this node wrote, with its
-        # parameters, so it need not read back what it has just written.
+        # node is leaving), ``committed`` tells the learner this node committed a round.
         self._bell = bell
         self._committed = committed
         self._leases = Leases()
@@ -127,10 +126,7 @@ class Syncer:
     async def run(self) -> None:
         while not self._stopping:
             await self.tick()
-            if self._bell is not None:
-                await self._bell.sleep(self._poll_interval)
-            else:
-                await self._clock.sleep(self._poll_interval)
+            await nap(self._clock, self._bell, self._poll_interval)
         await self.renew(left=True)
 
     async def tick(self) -> None:
@@ -237,18 +233,17 @@ class Syncer:
         self._on_event(event(node=self.node, round=r, attempt=attempt))
         started = _wall.monotonic()
         try:
-            done = await self._commit(r, attempt)
+            commit = await self._commit(r, attempt)
         except FormatError as exc:  # e.g. a payload key taken: report, and look again later
             self._exchange.reject(getattr(exc, "key", None) or keys.round_prefix(r), str(exc))
-            done = None
-        if done is None:
+            commit = None
+        if commit is None:
             await self._committed_meanwhile(r)
             return
-        commit, params = done
         self._ledger.committed(commit)
         self._forget(r)
         if self._committed is not None:
-            self._committed(commit, params)
+            self._committed()
         self._on_event(
             Committed(
                 node=self.node,
@@ -273,9 +268,7 @@ class Syncer:
             self._ledger.committed(commit)
             self._forget(r)
 
-    async def _commit(self, r: int, attempt: int) -> tuple[Commit, Tensors] | None:
-        """Close round ``r``: the commit, and the parameters it committed (as the backend's
-        tensors); None when nothing was committed."""
+    async def _commit(self, r: int, attempt: int) -> Commit | None:
         k = r % self._algorithm.fragments
         schema = self._manifest.fragment_schema(k)
         snapshots, deltas = await self._read_snapshots(r, schema)
@@ -313,8 +306,7 @@ class Syncer:
             nesterov=self._algorithm.nesterov,
         )
         nonce = new_nonce()
-        committed = self._backend.cast(master, schema)
-        params = self._backend.dump(committed)
+        params = self._backend.dump(self._backend.cast(master, schema))
         # With F32 parameters the cast was the identity: the master bytes are the params bytes.
         f32 = all(p.dtype == "F32" for p in schema.parameters)
         master_bytes = params if f32 else self._backend.dump(master)
@@ -344,7 +336,7 @@ class Syncer:
             return None
         await self._exchange.put_head(k, r)
         await self._collect(r)
-        return commit, committed
+        return commit
 
     def _exclude(self, r: int, node: str, reason: str) -> None:
         key = keys.snapshot(r, node)
