@@ -67,13 +67,22 @@ class DirectoryMailbox:
         root: the mailbox's directory; created if missing.
         fsync: flush each object and its directory entry to stable storage before the write
             returns (on by default; off only for throwaway test mailboxes).
+        offload: run each file operation in asyncio's default thread pool, so that the event
+            loop runs other tasks meanwhile. Off by default: the file operations then run on
+            the calling thread and the coroutines return without yielding. A node's loops are
+            sequential (each awaits one request at a time on its own thread), so a thread hop
+            buys them nothing and costs CPU on every request (docs/decisions.md, "Directory
+            requests run on the caller's thread").
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], *, fsync: bool = True, offload: bool = False
+    ) -> None:
         self.root = Path(root).absolute()
         self.url = self.root.as_uri()
         self.stats = RequestStats()
         self._fsync = fsync
+        self._offload = offload
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             remove_stale_temporaries(self.root, older_than=STALE_TEMP_SECONDS)
@@ -121,7 +130,9 @@ class DirectoryMailbox:
         self, operation: str, key: str, function: Callable[..., _T], *args: object
     ) -> _T:
         try:
-            return await asyncio.to_thread(function, *args)
+            if self._offload:
+                return await asyncio.to_thread(function, *args)
+            return function(*args)
         except _KeyConflict as error:
             raise MailboxError(str(error), store=self.url, key=key, operation=operation) from None
         except OSError as error:

@@ -17,7 +17,7 @@ def mailbox_from_url(url: str | os.PathLike[str], **options: Any) -> Mailbox:
     """The mailbox ``url`` names.
 
     - ``/shared/run1``, ``run1`` or ``file:///shared/run1``: a
-      :class:`~gradientmail.directory.DirectoryMailbox` (``options``: ``fsync``);
+      :class:`~gradientmail.directory.DirectoryMailbox` (``options``: ``fsync``, ``offload``);
     - ``memory://name``: ``MemoryMailbox.named(name)``
       (:class:`~gradientmail.memory.MemoryMailbox`), shared by every handle of that name in the
       process (``options``: ``faults``, ``clock``);

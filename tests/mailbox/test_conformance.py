@@ -33,6 +33,10 @@ def test_directory_mailbox(tmp_path: Path) -> None:
     check_mailbox(lambda: DirectoryMailbox(tmp_path / "mailbox"), large_size=LARGE)
 
 
+def test_directory_mailbox_offloading_to_threads(tmp_path: Path) -> None:
+    check_mailbox(lambda: DirectoryMailbox(tmp_path / "mailbox", offload=True), large_size=2**20)
+
+
 def test_object_store_mailbox_on_memory_store() -> None:
     store = MemoryStore()
     check_mailbox(lambda: ObjectStoreMailbox(store), large_size=LARGE)
