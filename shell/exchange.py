@@ -4,11 +4,19 @@ The exchange makes no protocol decision. It turns records into envelopes and bac
 every payload's SHA-256 before a byte of it is used, retries transient mailbox errors with
 exponential backoff on the node's clock, and resolves a create whose outcome it could not see
 by reading the object back (the record carries the writer's nonce, Decision 9).
+
+It remembers the tensors of the payloads it wrote most recently (up to ``written_cache``
+bytes), so that reading one back, as a closer's learner does with the commit it just wrote and
+a closer does with the outer state it wrote the fragment's round before, needs no request: a
+payload is named by its key, SHA-256 and size, and the remembered tensors are the ones whose
+bytes had that digest (docs/decisions.md, "A node reads its own payloads from memory").
 """
 
 from __future__ import annotations
 
 import secrets
+import threading
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
@@ -35,7 +43,10 @@ from gradientmail.core.tensors import TensorBytes
 from gradientmail.events import Callback, Rejected, Retried
 from gradientmail.mailbox import Mailbox, ObjectInfo, TransientMailboxError
 
-__all__ = ["Exchange", "new_nonce"]
+__all__ = ["WRITTEN_CACHE_BYTES", "Exchange", "new_nonce"]
+
+WRITTEN_CACHE_BYTES = 256 * 2**20
+"""Default bytes of tensor data an ``Exchange`` remembers of the payloads it wrote."""
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -52,7 +63,8 @@ class Exchange:
     ``retries`` transient failures of one request are retried, ``backoff`` seconds after the
     first and doubling; the last one is raised. With ``keyring`` (a signed run) every record
     written is signed and every record read must verify (``core.signing``); without one,
-    records are written unsigned and signatures are not checked.
+    records are written unsigned and signatures are not checked. ``written_cache`` bounds the
+    bytes of tensor data remembered of the payloads written last (0 remembers none).
     """
 
     def __init__(
@@ -65,7 +77,10 @@ class Exchange:
         retries: int = 6,
         backoff: float = 0.05,
         keyring: Keyring | None = None,
+        written_cache: int = WRITTEN_CACHE_BYTES,
     ) -> None:
+        if written_cache < 0:
+            raise ValueError(f"written_cache must be >= 0 bytes, got {written_cache}")
         self.mailbox = mailbox
         self.keyring = keyring
         self.clock = clock
@@ -76,6 +91,13 @@ class Exchange:
         # Reasons already reported, so that an object re-read every poll (a forged commit
         # squatting its key) is reported once, not once a poll.
         self._reported: set[tuple[str, str]] = set()
+        # Payloads written last, oldest first, shared by a node's two loops (two threads).
+        self._written: OrderedDict[str, tuple[PayloadRef, dict[str, TensorBytes], int]] = (
+            OrderedDict()
+        )
+        self._written_bytes = 0
+        self._written_limit = written_cache
+        self._written_lock = threading.Lock()
 
     # -- requests with retries ---------------------------------------------------------
 
@@ -127,6 +149,7 @@ class Exchange:
         return await self.get(key) == data
 
     async def delete(self, key: str) -> None:
+        self._forget_written(key)
         await self._retry("delete", key, lambda: self.mailbox.delete(key))
 
     async def list_keys(self, prefix: str) -> list[str]:
@@ -287,11 +310,17 @@ class Exchange:
         )
         if not await self.create(key, blob):
             raise FormatError("payload key already taken (nonce collision)", key=key)
-        return PayloadRef(key=key, digest=payload_digest(payload), size=len(blob))
+        ref = PayloadRef(key=key, digest=payload_digest(payload), size=len(blob))
+        self._remember_written(ref, tensors)
+        return ref
 
     async def read_payload(self, ref: PayloadRef, *, limit: int) -> dict[str, TensorBytes] | None:
         """The tensors of ``ref``, verified against its digest; None when the object is gone
-        (collected); ``FormatError`` when it is corrupt."""
+        (collected); ``FormatError`` when it is corrupt. A payload this exchange wrote and still
+        remembers, under the same key, digest and size, is returned without a request."""
+        remembered = self._recall_written(ref)
+        if remembered is not None:
+            return remembered
         blob = await self.get(ref.key)
         if blob is None:
             return None
@@ -306,6 +335,31 @@ class Exchange:
             return decompress(sealed.payload, sealed.compression, limit=limit)
         except ValueError as exc:
             raise FormatError(f"payload: {exc}", key=ref.key) from None
+
+    def _remember_written(self, ref: PayloadRef, tensors: Mapping[str, TensorBytes]) -> None:
+        size = sum(len(t.data) for t in tensors.values())
+        if size > self._written_limit:
+            return
+        self._forget_written(ref.key)
+        with self._written_lock:
+            self._written[ref.key] = (ref, dict(sorted(tensors.items())), size)
+            self._written_bytes += size
+            while self._written_bytes > self._written_limit:
+                _, (_, _, dropped) = self._written.popitem(last=False)
+                self._written_bytes -= dropped
+
+    def _recall_written(self, ref: PayloadRef) -> dict[str, TensorBytes] | None:
+        with self._written_lock:
+            entry = self._written.get(ref.key)
+        if entry is None or entry[0] != ref:
+            return None
+        return dict(entry[1])
+
+    def _forget_written(self, key: str) -> None:
+        with self._written_lock:
+            entry = self._written.pop(key, None)
+            if entry is not None:
+                self._written_bytes -= entry[2]
 
     # -- leases and hints -------------------------------------------------------------
 

@@ -1,0 +1,113 @@
+"""The exchange remembers the payloads it wrote: reading one back needs no request, and nothing
+but the exact payload it wrote (same key, digest and size) is ever served from memory."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import attrs
+import pytest
+
+from gradientmail.clock import MonotonicClock
+from gradientmail.core import keys
+from gradientmail.core.errors import FormatError
+from gradientmail.core.tensors import TensorBytes
+from gradientmail.exchange import Exchange
+from gradientmail.memory import MemoryMailbox
+
+LIMIT = 2**20
+
+
+def tensors(seed: float, n: int = 64) -> dict[str, TensorBytes]:
+    data = struct.pack(f"<{n}f", *(seed + i for i in range(n)))
+    return {
+        "b.weight": TensorBytes(dtype="F32", shape=(n,), data=data),
+        "a.bias": TensorBytes(dtype="F32", shape=(2,), data=struct.pack("<2f", seed, -seed)),
+    }
+
+
+def gets(mailbox: MemoryMailbox) -> int:
+    return mailbox.stats.snapshot()["get"]
+
+
+def test_a_payload_read_back_by_its_writer_needs_no_request() -> None:
+    store = MemoryMailbox()
+    writer_box, reader_box = store.handle(), store.handle()
+    writer = Exchange(writer_box, MonotonicClock(), node="closer")
+    reader = Exchange(reader_box, MonotonicClock(), node="other")
+
+    async def main() -> None:
+        ref = await writer.write_payload(keys.params(4, "ab" * 8), tensors(1.0), "off")
+        mine = await writer.read_payload(ref, limit=LIMIT)
+        theirs = await reader.read_payload(ref, limit=LIMIT)
+        assert gets(writer_box) == 0, "the writer read its own payload from memory"
+        assert gets(reader_box) == 1, "another node's exchange reads the store"
+        assert mine == theirs == dict(sorted(tensors(1.0).items()))
+        assert list(mine) == ["a.bias", "b.weight"], "sorted by name, as a read from the store"
+
+    asyncio.run(main())
+
+
+def test_a_reference_with_another_digest_or_size_is_read_from_the_store() -> None:
+    mailbox = MemoryMailbox().handle()
+    exchange = Exchange(mailbox, MonotonicClock(), node="closer")
+
+    async def main() -> None:
+        ref = await exchange.write_payload(keys.state(8, "cd" * 8), tensors(2.0), "off")
+        forged = attrs.evolve(ref, digest="0" * 64)
+        with pytest.raises(FormatError, match="digest") as error:
+            await exchange.read_payload(forged, limit=LIMIT)
+        assert error.value.key == ref.key
+        resized = attrs.evolve(ref, size=ref.size + 1)
+        with pytest.raises(FormatError, match="bytes"):
+            await exchange.read_payload(resized, limit=LIMIT)
+        assert gets(mailbox) == 2
+
+    asyncio.run(main())
+
+
+def test_a_deleted_payload_is_gone_for_its_writer_too() -> None:
+    mailbox = MemoryMailbox().handle()
+    exchange = Exchange(mailbox, MonotonicClock(), node="closer")
+
+    async def main() -> None:
+        ref = await exchange.write_payload(keys.params(1, "ef" * 8), tensors(3.0), "off")
+        await exchange.delete(ref.key)
+        assert await exchange.read_payload(ref, limit=LIMIT) is None
+        assert gets(mailbox) == 1
+
+    asyncio.run(main())
+
+
+def test_the_memory_is_bounded_oldest_payload_first() -> None:
+    one = sum(len(t.data) for t in tensors(0.0).values())
+    mailbox = MemoryMailbox().handle()
+    exchange = Exchange(mailbox, MonotonicClock(), node="closer", written_cache=2 * one)
+
+    async def main() -> None:
+        refs = [
+            await exchange.write_payload(keys.params(r, "12" * 8), tensors(float(r)), "off")
+            for r in (0, 4, 8)
+        ]
+        for r, ref in zip((0, 4, 8), refs, strict=True):
+            assert await exchange.read_payload(ref, limit=LIMIT) == dict(
+                sorted(tensors(float(r)).items())
+            )
+        assert gets(mailbox) == 1, "only the oldest of three was forgotten and read again"
+
+    asyncio.run(main())
+
+
+def test_no_memory_with_a_zero_budget_and_a_negative_one_is_refused() -> None:
+    mailbox = MemoryMailbox().handle()
+    exchange = Exchange(mailbox, MonotonicClock(), written_cache=0)
+
+    async def main() -> None:
+        ref = await exchange.write_payload(keys.params(0, "34" * 8), tensors(5.0), "zstd")
+        assert await exchange.read_payload(ref, limit=LIMIT) == dict(sorted(tensors(5.0).items()))
+        assert gets(mailbox) == 1
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="written_cache"):
+        Exchange(mailbox, MonotonicClock(), written_cache=-1)
