@@ -15,7 +15,7 @@ from pathlib import Path
 
 import attrs
 
-from gradientmail.adapters.base import Adapter
+from gradientmail.adapters.base import Adapter, Backend, Tensors
 from gradientmail.core import keys
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.codecs import Compression
@@ -36,9 +36,12 @@ __all__ = [
     "keyring_from",
     "load_newest",
     "newest_commit",
+    "outer_state",
+    "outer_state_schema",
     "payload_limit",
     "read_fragment",
     "read_manifest",
+    "read_outer_state",
     "resign_manifest",
 ]
 
@@ -219,6 +222,66 @@ async def read_fragment(
         )
     validate(schema, tensors, schema.names)
     return tensors
+
+
+def outer_state_schema(schema: Schema, *, master: bool | None = None) -> Schema:
+    """What a commit's ``state`` payload holds for a fragment of ``schema``: the F32 outer
+    momentum of each parameter (``momentum.<name>``) and the F32 master parameters
+    (``master.<name>``), except where every parameter is F32 (the default of ``master``): the
+    master is then the commit's ``params`` themselves, stored once (docs/protocol.md)."""
+    if master is None:
+        master = not _all_f32(schema)
+    parts = ("master", "momentum") if master else ("momentum",)
+    return Schema.of(
+        attrs.evolve(p, name=f"{part}.{p.name}", dtype="F32")
+        for part in parts
+        for p in schema.parameters
+    )
+
+
+def outer_state(
+    backend: Backend, schema: Schema, master: Tensors, momentum: Tensors
+) -> dict[str, TensorBytes]:
+    """The ``state`` payload of a commit whose outer step left ``master`` and ``momentum``."""
+    state = {f"momentum.{n}": t for n, t in backend.dump(momentum).items()}
+    if not _all_f32(schema):
+        state |= {f"master.{n}": t for n, t in backend.dump(master).items()}
+    return state
+
+
+def _all_f32(schema: Schema) -> bool:
+    return all(p.dtype == "F32" for p in schema.parameters)
+
+
+async def read_outer_state(
+    exchange: Exchange, backend: Backend, commit: Commit, schema: Schema
+) -> tuple[Tensors, Tensors] | None:
+    """The F32 master parameters and momentum that ``commit`` left for the fragment of
+    ``schema``; None when a payload is gone (collected). A state that also holds the master of
+    F32 parameters (as written before it was stored once) is read as well. ``FormatError``
+    names the payload that is corrupt or holds other tensors."""
+    full = outer_state_schema(schema, master=True)
+    state = await exchange.read_payload(commit.state, limit=payload_limit(schema))
+    if state is None:
+        return None
+    names = sorted(state)
+    if names == list(full.names):
+        validate(full, state, full.names)
+        loaded = backend.load(state)
+        master = {n: loaded[f"master.{n}"] for n in schema.names}
+    elif names == list((short := outer_state_schema(schema)).names):
+        validate(short, state, short.names)
+        loaded = backend.load(state)
+        params = await read_fragment(exchange, commit.params, schema)
+        if params is None:
+            return None
+        master = backend.load(params)
+    else:
+        unlike = sorted(set(state) ^ set(outer_state_schema(schema).names))
+        raise FormatError(
+            f"holds {unlike[:8]} unlike the fragment's outer state", key=commit.state.key
+        )
+    return master, {n: loaded[f"momentum.{n}"] for n in schema.names}
 
 
 async def newest_commit(exchange: Exchange, manifest: Manifest, fragment: int) -> Commit | None:

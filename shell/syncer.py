@@ -34,7 +34,7 @@ from gradientmail.events import (
 )
 from gradientmail.exchange import Exchange, new_nonce
 from gradientmail.ledger import Ledger
-from gradientmail.run import payload_limit, read_fragment
+from gradientmail.run import outer_state, payload_limit, read_fragment, read_outer_state
 
 __all__ = ["Syncer"]
 
@@ -307,11 +307,7 @@ class Syncer:
         )
         nonce = new_nonce()
         params = self._backend.dump(self._backend.cast(master, schema))
-        # With F32 parameters the cast was the identity: the master bytes are the params bytes.
-        f32 = all(p.dtype == "F32" for p in schema.parameters)
-        master_bytes = params if f32 else self._backend.dump(master)
-        state = {f"master.{n}": t for n, t in master_bytes.items()}
-        state |= {f"momentum.{n}": t for n, t in self._backend.dump(momentum).items()}
+        state = outer_state(self._backend, schema, master, momentum)
         params_ref = await self._exchange.write_payload(
             keys.params(r, nonce), params, self._compression
         )
@@ -389,18 +385,10 @@ class Syncer:
         before = self._ledger.commit(previous) or await self._exchange.commit(previous)
         if before is None:
             raise FormatError(f"round {r}'s base round {previous} has no commit")
-        state_schema = Schema.of(
-            attrs.evolve(p, name=f"{part}.{p.name}")
-            for part in ("master", "momentum")
-            for p in f32.parameters
-        )
-        state = await read_fragment(self._exchange, before.state, state_schema)
+        state = await read_outer_state(self._exchange, self._backend, before, schema)
         if state is None:
             raise FormatError("outer state is gone", key=before.state.key)
-        loaded = self._backend.load(state)
-        master = {n: loaded[f"master.{n}"] for n in schema.names}
-        momentum = {n: loaded[f"momentum.{n}"] for n in schema.names}
-        return master, momentum
+        return state
 
     async def _collect(self, r: int) -> None:
         if self._keep_rounds is None:

@@ -35,7 +35,7 @@ from gradientmail.core.signing import Keyring
 from gradientmail.core.tensors import Schema, TensorBytes
 from gradientmail.exchange import Exchange
 from gradientmail.mailbox import Mailbox
-from gradientmail.run import read_fragment, read_manifest
+from gradientmail.run import read_fragment, read_manifest, read_outer_state
 
 __all__ = ["AuditError", "AuditReport", "audit", "audit_async"]
 
@@ -307,17 +307,10 @@ async def _recompute(
             return 0, []
         master, momentum = backend.cast(backend.load(init), f32), None
     else:
-        state_schema = Schema.of(
-            attrs.evolve(p, name=f"{part}.{p.name}")
-            for part in ("master", "momentum")
-            for p in f32.parameters
-        )
-        state = await read_fragment(exchange, commits[base].state, state_schema)
+        state = await read_outer_state(exchange, backend, commits[base], schema)
         if state is None:
             return 0, []
-        loaded = backend.load(state)
-        master = {n: loaded[f"master.{n}"] for n in schema.names}
-        momentum = {n: loaded[f"momentum.{n}"] for n in schema.names}
+        master, momentum = state
     norms = None
     if manifest.algorithm.clip is not None:  # the closer's norm clip, recomputed from the deltas
         norms = {i.node: backend.norm(d) for i, d in zip(commit.included, deltas, strict=True)}

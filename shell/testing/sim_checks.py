@@ -35,7 +35,7 @@ from gradientmail.core.records import Claim, Commit, Manifest, Snapshot, read_re
 from gradientmail.core.tensors import Schema
 from gradientmail.exchange import Exchange
 from gradientmail.memory import MemoryMailbox
-from gradientmail.run import read_fragment
+from gradientmail.run import read_fragment, read_outer_state
 from gradientmail.testing.sim_mailbox import run_now
 from gradientmail.testing.sim_scheduler import NodeClock, Process, SimClock
 
@@ -238,19 +238,12 @@ class Checker:
             init = run_now(read_fragment(exchange, manifest.init[k], schema))
             master, momentum = backend.cast(backend.load(init), f32), None
         else:
-            state_schema = Schema.of(
-                attrs.evolve(p, name=f"{part}.{p.name}")
-                for part in ("master", "momentum")
-                for p in f32.parameters
-            )
             state = run_now(
-                read_fragment(exchange, self.commits[commit.base_round].state, state_schema)
+                read_outer_state(exchange, backend, self.commits[commit.base_round], schema)
             )
             if state is None:
                 return
-            loaded = backend.load(state)
-            master = {n: loaded[f"master.{n}"] for n in schema.names}
-            momentum = {n: loaded[f"momentum.{n}"] for n in schema.names}
+            master, momentum = state
         weights = rules.outer_weights(self.algorithm, commit.included)
         gradient = backend.weighted_sum(list(zip(weights, deltas, strict=True)))
         a = self.algorithm
