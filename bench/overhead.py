@@ -1,18 +1,26 @@
-"""What a Session costs a training loop: steps/s with and without it, measured side by side.
+"""What a Session costs a training loop: steps/s with and without it, in one run, side by side.
 
-The same small GPT (the demo's), data and seed train for ``--steps`` steps plainly and inside a
-one-node Session (H=50, 4 fragments, directory mailbox, the Session's default 1 s polls),
-alternating ``--repeats`` times so machine noise hits both alike. Target (issue 6): the Session
-costs under 2% of throughput.
+One model (the demo's small GPT, CPU) trains in alternating blocks: a *Session block*, whose steps
+go through a one-node Session (H=50, 4 fragments, tau=10, directory mailbox, the Session's default
+1 s polls), then a *plain block* of as many steps that bypass it, then the other order, ``--pairs``
+times. Each pair is measured within a few seconds, so the machine's drift (on a shared machine,
+plain throughput alone wanders by 10-20% over minutes) hits both halves alike; the cost is the
+ratio of the pairs' summed times, with a 90% bootstrap interval over pairs. Target (issue 6):
+the Session costs under 2% of throughput.
 
-A lone node is the worst case: it closes every round itself (reads its snapshot and the outer
-state, takes the outer step, writes the new parameters and state, reads the commit back), where
-a node of an N-node run closes about 1/N of them. The bench also reports what the Session's
-threads spend, in CPU milliseconds per round, and runs each loop at each ``--threads`` count
-(torch's intra-op threads): with every core busy in torch, that CPU is taken from training;
-with a core to spare (as beside a GPU, where the training thread mostly waits), it is not.
+Blocks are aligned to the learner's slots: a Session block starts at the step that captures a
+fragment and holds two slots, so the work each capture starts (upload; as the closer, read the
+snapshot and outer state, take the outer step, write parameters, state and commit; merge the
+commit at a step boundary) happens inside the Session block, and none is left running into the
+plain block but the idle polls. A lone node is the worst case: it closes every round itself,
+where a node of an N-node run closes about 1/N of them.
 
-    python bench/overhead.py [--steps 300] [--repeats 3] [--threads 2,1] [--inner-steps 50]
+The bench also reports the CPU the Session's threads use per round, and runs at each
+``--threads`` count (torch's intra-op threads): with every core busy in torch, that CPU is taken
+from training; with a core to spare (as beside a GPU), it mostly is not. ``--control`` runs the
+same pairs with both halves plain, to show the method's resolution.
+
+    python bench/overhead.py [--pairs 30] [--threads 2,1] [--control] [--inner-steps 50]
                              [--fragments 4] [--overlap 10] [--poll-interval 1.0]
 """
 
@@ -20,32 +28,54 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
+import random
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from collections.abc import Sequence
 
 import attrs
 import torch
 
 from gradientmail import DiLoCo, Session, mailbox_from_url
+from gradientmail.core.learner import slot_end
 from gradientmail.demo.config import GPTConfig
 from gradientmail.demo.corpus import batches, load_corpus
 from gradientmail.demo.model import TorchTrainer
 
 
 @attrs.frozen
-class Run:
-    steps_per_second: float
+class Pairs:
+    """Seconds of each pair's two halves, and what the Session did meanwhile."""
+
+    session: tuple[float, ...]  # the Session blocks (the treated half)
+    plain: tuple[float, ...]
+    steps: int  # steps in each half, summed over pairs
     rounds: int = 0
-    comm_cpu: float = 0.0  # seconds of CPU on the Session's threads during the timed loop
+    comm_cpu: float = 0.0  # CPU seconds of the Session's threads over the timed pairs
+
+    @property
+    def cost(self) -> float:
+        """Fraction of throughput the treated half loses: 1 - plain time / treated time."""
+        return 1 - sum(self.plain) / sum(self.session)
+
+    def interval(self, level: float = 0.9, resamples: int = 2000) -> tuple[float, float]:
+        """A bootstrap interval of ``cost`` over pairs (resampled with replacement)."""
+        rng = random.Random(0)
+        n = len(self.plain)
+        costs = []
+        for _ in range(resamples):
+            picks = [rng.randrange(n) for _ in range(n)]
+            costs.append(
+                1 - sum(self.plain[i] for i in picks) / sum(self.session[i] for i in picks)
+            )
+        costs.sort()
+        tail = (1 - level) / 2
+        return costs[int(tail * resamples)], costs[int((1 - tail) * resamples) - 1]
 
 
 def session_threads_cpu() -> float:
-    """CPU seconds of the Session's loop threads and their executors' threads (Unix)."""
+    """CPU seconds of the Session's loop threads and any executor threads (Unix)."""
     total = 0.0
     for thread in threading.enumerate():
         if thread.ident is None or not thread.name.startswith(("gradientmail-", "asyncio_")):
@@ -57,91 +87,116 @@ def session_threads_cpu() -> float:
     return total
 
 
-def measure(
-    steps: int, session_of: Callable[[torch.nn.Module], AbstractContextManager[Any]]
-) -> Run:
-    """Steps per second of ``steps`` inner steps (after 10 warm-up steps)."""
+def block_lengths(algorithm: DiLoCo, pairs: int) -> list[int]:
+    """Steps of each pair's halves: two slots, from the step that captures slot ``2i+1``."""
+    return [slot_end(algorithm, 2 * i + 3) - slot_end(algorithm, 2 * i + 1) for i in range(pairs)]
+
+
+def measure(algorithm: DiLoCo, pairs: int, poll_interval: float, *, control: bool) -> Pairs:
+    """Alternate treated and plain blocks (ABBA); the first pair warms up and is not counted.
+
+    The treated half goes through a Session, or, with ``control``, is plain too."""
     config = GPTConfig()
-    trainer = TorchTrainer(config, seed=0, lr=1e-3, warmup=10, total_steps=steps + 10)
+    trainer = TorchTrainer(config, seed=0, lr=1e-3, warmup=10, total_steps=10**9)
     data = batches(load_corpus().train, batch=8, context=config.context, seed=0, node=0)
     for _ in range(10):
         trainer.train_step(next(data))
-    with session_of(trainer.model) as session:
-        cpu = session_threads_cpu()
-        times = []
+    session = Session(
+        trainer.model,
+        algorithm=algorithm,
+        mailbox=mailbox_from_url(tempfile.mkdtemp(prefix="gm-overhead-")),
+        poll_interval=poll_interval,
+        lease_every=5.0,
+        lease_timeout=15.0,
+        callbacks=(),
+    )
+
+    def block(steps: int, treated: bool) -> float:
+        start = time.perf_counter()
         for _ in range(steps):
-            start = time.perf_counter()
             windows = next(data)
             trainer.train_step(windows)
-            if session is not None:
+            if treated and not control:
                 session.step(samples=int(windows.size))
-            times.append(time.perf_counter() - start)
-        elapsed = sum(times)
-        if session is None:
-            return Run(steps / elapsed)
+        return time.perf_counter() - start
+
+    with session:
+        # Bring the Session to the step before its first capture; then each treated block
+        # starts with a capture.
+        block(slot_end(algorithm, 1) - 1, treated=True)
+        treated: list[float] = []
+        plain: list[float] = []
+        lengths = block_lengths(algorithm, pairs + 1)
+        cpu = rounds = 0.0
+        for i, steps in enumerate(lengths):
+            if i == 1:
+                cpu, rounds = session_threads_cpu(), session.rounds_seen
+            if i % 2 == 0:
+                a, b = block(steps, treated=True), block(steps, treated=False)
+            else:
+                b, a = block(steps, treated=False), block(steps, treated=True)
+            if i > 0:
+                treated.append(a)
+                plain.append(b)
         cpu = session_threads_cpu() - cpu
-        rounds = session.rounds_seen + 1
-    return Run(steps / elapsed, rounds=rounds, comm_cpu=cpu)
+        rounds = session.rounds_seen - rounds
+    return Pairs(
+        session=tuple(treated),
+        plain=tuple(plain),
+        steps=sum(lengths[1:]),
+        rounds=int(rounds),
+        comm_cpu=cpu,
+    )
 
 
-def main() -> None:
+def report(threads: int, name: str, result: Pairs) -> str:
+    low, high = result.interval()
+    plain = result.steps / sum(result.plain)
+    treated = result.steps / sum(result.session)
+    per_round = 1000 * result.comm_cpu / max(1, result.rounds)
+    cpu = f"{per_round:.1f} ms" if result.rounds else "-"
+    return (
+        f"| {threads} | {name} | {plain:.2f} | {treated:.2f} | {100 * result.cost:+.2f}% | "
+        f"[{100 * low:+.2f}%, {100 * high:+.2f}%] | {len(result.plain)} | {cpu} |"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=30)
     cores = os.cpu_count() or 1
     default_threads = f"{cores},{cores - 1}" if cores > 1 else "1"
     parser.add_argument(
         "--threads", default=default_threads, help="torch intra-op thread counts, comma-separated"
     )
+    parser.add_argument("--control", action="store_true", help="also run plain against plain")
     parser.add_argument("--inner-steps", type=int, default=50)
     parser.add_argument("--fragments", type=int, default=4)
     parser.add_argument("--overlap", type=int, default=10, help="overlap_steps (tau)")
     parser.add_argument("--poll-interval", type=float, default=1.0, help="seconds")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.manual_seed(0)
     algorithm = DiLoCo(
         inner_steps=args.inner_steps, fragments=args.fragments, overlap_steps=args.overlap
     )
-
-    def with_session(model: torch.nn.Module) -> AbstractContextManager[Any]:
-        mailbox = mailbox_from_url(tempfile.mkdtemp(prefix="gm-overhead-"))
-        return Session(
-            model,
-            algorithm=algorithm,
-            mailbox=mailbox,
-            poll_interval=args.poll_interval,
-            lease_every=5.0,
-            lease_timeout=15.0,
-            callbacks=(),
-        )
-
     setting = f"H={args.inner_steps}, K={args.fragments}, tau={args.overlap}"
-    print(f"| torch threads | loop | steps/s (median of {args.repeats}) | runs |")
-    print("|---:|---|---:|---|")
-    summary = []
+    print(f"Session: {setting}, one node, {args.poll_interval} s polls; target: cost < 2%")
+    print(
+        "| torch threads | treated half | plain steps/s | treated steps/s | cost | "
+        "90% interval | pairs | Session threads' CPU per round |"
+    )
+    print("|---:|---|---:|---:|---:|---|---:|---:|")
+    costs = []
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
-        plain: list[Run] = []
-        session: list[Run] = []
-        for _ in range(args.repeats):
-            plain.append(measure(args.steps, lambda model: nullcontext()))
-            session.append(measure(args.steps, with_session))
-        p = statistics.median(r.steps_per_second for r in plain)
-        s = statistics.median(r.steps_per_second for r in session)
-        for name, runs, median in (("plain", plain, p), (f"Session ({setting})", session, s)):
-            values = ", ".join(f"{r.steps_per_second:.2f}" for r in runs)
-            print(f"| {threads} | {name} | {median:.2f} | {values} |")
-        per_round = statistics.median(1000 * r.comm_cpu / max(1, r.rounds) for r in session)
-        share = statistics.median(
-            100 * r.comm_cpu * r.steps_per_second / args.steps for r in session
-        )
-        summary.append(
-            f"{threads} torch threads: Session cost {100 * (1 - s / p):.2f}% of throughput "
-            f"(target < 2%); its threads used {per_round:.1f} ms CPU per round, "
-            f"{share:.2f}% of one core"
-        )
+        runs = [("Session", False)] + ([("plain (control)", True)] if args.control else [])
+        for name, control in runs:
+            result = measure(algorithm, args.pairs, args.poll_interval, control=control)
+            print(report(threads, name, result), flush=True)
+            if not control:
+                costs.append(f"{threads} torch threads: {100 * result.cost:+.2f}%")
     print()
-    print("\n".join(summary))
+    print("Session cost of throughput: " + "; ".join(costs) + " (target < 2%)")
 
 
 if __name__ == "__main__":
