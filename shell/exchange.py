@@ -361,6 +361,18 @@ class Exchange:
             if entry is not None:
                 self._written_bytes -= entry[2]
 
+    def forget_written(self, *keys: str) -> None:
+        """Stop remembering the payloads at ``keys`` (superseded ones): a later read of one
+        goes to the store."""
+        for key in keys:
+            self._forget_written(key)
+
+    @property
+    def remembered_bytes(self) -> int:
+        """Bytes of tensor data held of the payloads written last (at most ``written_cache``)."""
+        with self._written_lock:
+            return self._written_bytes
+
     # -- leases and hints -------------------------------------------------------------
 
     async def put_lease(self, lease: Lease) -> None:

@@ -331,6 +331,12 @@ class Syncer:
             await self._exchange.delete(state_ref.key)
             return None
         await self._exchange.put_head(k, r)
+        # Superseded by ours: this node reads the new payloads from now on.
+        before = self._ledger.commit(commit.base_round)
+        if before is not None:
+            self._exchange.forget_written(before.params.key, before.state.key)
+        elif commit.base_round < 0:
+            self._exchange.forget_written(self._manifest.init[k].key)
         await self._collect(r)
         return commit
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from pathlib import Path
 
 import attrs
 import pytest
@@ -111,3 +112,48 @@ def test_no_memory_with_a_zero_budget_and_a_negative_one_is_refused() -> None:
     asyncio.run(main())
     with pytest.raises(ValueError, match="written_cache"):
         Exchange(mailbox, MonotonicClock(), written_cache=-1)
+
+
+def test_forgotten_payloads_are_read_from_the_store() -> None:
+    mailbox = MemoryMailbox().handle()
+    exchange = Exchange(mailbox, MonotonicClock(), node="closer")
+
+    async def main() -> None:
+        ref = await exchange.write_payload(keys.params(2, "56" * 8), tensors(6.0), "off")
+        held = exchange.remembered_bytes
+        assert held == sum(len(t.data) for t in tensors(6.0).values())
+        exchange.forget_written(ref.key, keys.state(2, "56" * 8))  # one never written: no-op
+        assert exchange.remembered_bytes == 0
+        assert await exchange.read_payload(ref, limit=LIMIT) == dict(sorted(tensors(6.0).items()))
+        assert gets(mailbox) == 1
+
+    asyncio.run(main())
+
+
+def test_a_lone_node_remembers_only_the_newest_commit_of_each_fragment(tmp_path: Path) -> None:
+    """A closer forgets the payloads its commit supersedes, so a long run holds one params and
+    one state payload per fragment, not every round's."""
+    torch = pytest.importorskip("torch")
+    from virtual_run import make_model
+
+    from gradientmail import DiLoCo, Session, mailbox_from_url
+
+    model = make_model()
+    model_bytes = sum(4 * p.numel() for p in model.parameters())
+    with Session(
+        model,
+        algorithm=DiLoCo(inner_steps=4, fragments=2, overlap_steps=1),
+        mailbox=mailbox_from_url(f"file://{tmp_path / 'run'}"),
+        poll_interval=0.05,
+        lease_every=1.0,
+        lease_timeout=3.0,
+        callbacks=(),
+    ) as session:
+        for _ in range(48):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01)
+            session.step(samples=1)
+    assert session.rounds_seen >= 16
+    held = session._node.exchange.remembered_bytes  # the Session's own exchange
+    assert 0 < held <= 2 * model_bytes, (held, model_bytes)
