@@ -149,7 +149,7 @@ class Exchange:
         return await self.get(key) == data
 
     async def delete(self, key: str) -> None:
-        self._forget_written(key)
+        self.forget_written(key)
         await self._retry("delete", key, lambda: self.mailbox.delete(key))
 
     async def list_keys(self, prefix: str) -> list[str]:
@@ -340,7 +340,7 @@ class Exchange:
         size = sum(len(t.data) for t in tensors.values())
         if size > self._written_limit:
             return
-        self._forget_written(ref.key)
+        self.forget_written(ref.key)
         with self._written_lock:
             self._written[ref.key] = (ref, dict(sorted(tensors.items())), size)
             self._written_bytes += size
@@ -355,17 +355,14 @@ class Exchange:
             return None
         return dict(entry[1])
 
-    def _forget_written(self, key: str) -> None:
-        with self._written_lock:
-            entry = self._written.pop(key, None)
-            if entry is not None:
-                self._written_bytes -= entry[2]
-
     def forget_written(self, *keys: str) -> None:
         """Stop remembering the payloads at ``keys`` (superseded ones): a later read of one
         goes to the store."""
-        for key in keys:
-            self._forget_written(key)
+        with self._written_lock:
+            for key in keys:
+                entry = self._written.pop(key, None)
+                if entry is not None:
+                    self._written_bytes -= entry[2]
 
     @property
     def remembered_bytes(self) -> int:

@@ -260,27 +260,25 @@ async def read_outer_state(
     ``schema``; None when a payload is gone (collected). A state that also holds the master of
     F32 parameters (as written before it was stored once) is read as well. ``FormatError``
     names the payload that is corrupt or holds other tensors."""
-    full = outer_state_schema(schema, master=True)
     state = await exchange.read_payload(commit.state, limit=payload_limit(schema))
     if state is None:
         return None
-    names = sorted(state)
-    if names == list(full.names):
-        validate(full, state, full.names)
-        loaded = backend.load(state)
+    layouts = (outer_state_schema(schema, master=True), outer_state_schema(schema))
+    layout = next((s for s in layouts if list(s.names) == sorted(state)), None)
+    if layout is None:
+        unlike = sorted(set(state) ^ set(layouts[1].names))
+        raise FormatError(
+            f"holds {unlike[:8]} unlike the fragment's outer state", key=commit.state.key
+        )
+    validate(layout, state, layout.names)
+    loaded = backend.load(state)
+    if layout is layouts[0]:  # the master is in the state
         master = {n: loaded[f"master.{n}"] for n in schema.names}
-    elif names == list((short := outer_state_schema(schema)).names):
-        validate(short, state, short.names)
-        loaded = backend.load(state)
+    else:
         params = await read_fragment(exchange, commit.params, schema)
         if params is None:
             return None
         master = backend.load(params)
-    else:
-        unlike = sorted(set(state) ^ set(outer_state_schema(schema).names))
-        raise FormatError(
-            f"holds {unlike[:8]} unlike the fragment's outer state", key=commit.state.key
-        )
     return master, {n: loaded[f"momentum.{n}"] for n in schema.names}
 
 

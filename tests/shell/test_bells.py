@@ -19,7 +19,7 @@ from gradientmail.clock import Bell
 
 torch = pytest.importorskip("torch")
 
-from virtual_run import make_model  # noqa: E402
+from virtual_run import drift, make_model  # noqa: E402
 
 from gradientmail import DiLoCo, Session, align, mailbox_from_url  # noqa: E402
 
@@ -71,11 +71,7 @@ def test_a_lone_node_with_slow_polls_never_waits_for_them(tmp_path: Path) -> Non
         lease_timeout=2 * 1.0 + LONG,
         callbacks=(),
     ) as session:
-        for _ in range(16):
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(0.01)
-            session.step(samples=1)
+        drift(model, session, 16)
         seen = session.rounds_seen
     elapsed = time.monotonic() - start
     assert seen >= 5, f"rounds committed while training: {seen}"

@@ -133,8 +133,8 @@ def test_forgotten_payloads_are_read_from_the_store() -> None:
 def test_a_lone_node_remembers_only_the_newest_commit_of_each_fragment(tmp_path: Path) -> None:
     """A closer forgets the payloads its commit supersedes, so a long run holds one params and
     one state payload per fragment, not every round's."""
-    torch = pytest.importorskip("torch")
-    from virtual_run import make_model
+    pytest.importorskip("torch")
+    from virtual_run import drift, make_model
 
     from gradientmail import DiLoCo, Session, mailbox_from_url
 
@@ -149,11 +149,7 @@ def test_a_lone_node_remembers_only_the_newest_commit_of_each_fragment(tmp_path:
         lease_timeout=3.0,
         callbacks=(),
     ) as session:
-        for _ in range(48):
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(0.01)
-            session.step(samples=1)
+        drift(model, session, 48)
     assert session.rounds_seen >= 16
     held = session._node.exchange.remembered_bytes  # the Session's own exchange
     assert 0 < held <= 2 * model_bytes, (held, model_bytes)

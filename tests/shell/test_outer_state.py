@@ -72,6 +72,12 @@ def write_and_read(
     return asyncio.run(main())
 
 
+def assert_read(read: tuple[Tensors, Tensors] | None, master: Tensors, momentum: Tensors) -> None:
+    assert read is not None
+    assert_equal(read[0], master)
+    assert_equal(read[1], momentum)
+
+
 def assert_equal(a: Tensors, b: Tensors) -> None:
     assert sorted(a) == sorted(b)
     for name in a:
@@ -85,9 +91,7 @@ def test_an_f32_state_holds_the_momentum_only_and_the_master_comes_from_the_para
     assert sorted(state) == ["momentum.b", "momentum.w"]
     assert outer_state_schema(schema).names == ("momentum.b", "momentum.w")
     read = write_and_read(schema, state, master)
-    assert read is not None
-    assert_equal(read[0], master)
-    assert_equal(read[1], momentum)
+    assert_read(read, master, momentum)
 
 
 def test_an_f32_state_that_also_holds_the_master_is_read_as_written() -> None:
@@ -96,9 +100,7 @@ def test_an_f32_state_that_also_holds_the_master_is_read_as_written() -> None:
     state = {f"master.{n}": t for n, t in BACKEND.dump(master).items()}
     state |= {f"momentum.{n}": t for n, t in BACKEND.dump(momentum).items()}
     read = write_and_read(schema, state, tensors(5))  # params differ: the state's master wins
-    assert read is not None
-    assert_equal(read[0], master)
-    assert_equal(read[1], momentum)
+    assert_read(read, master, momentum)
 
 
 def test_a_bf16_state_keeps_its_f32_master() -> None:
@@ -109,9 +111,7 @@ def test_a_bf16_state_keeps_its_f32_master() -> None:
     assert sorted(state) == ["master.b", "master.w", "momentum.b", "momentum.w"]
     assert all(t.dtype == "F32" for t in state.values())
     read = write_and_read(schema, state, master)
-    assert read is not None
-    assert_equal(read[0], master)
-    assert_equal(read[1], momentum)
+    assert_read(read, master, momentum)
 
 
 def test_a_state_holding_other_tensors_is_an_error_naming_its_key() -> None:

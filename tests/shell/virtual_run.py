@@ -41,6 +41,15 @@ def make_model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
 
 
+def drift(model: torch.nn.Module, session: Any, steps: int) -> None:
+    """``steps`` stand-in training steps through ``session``: every parameter moves by 0.01."""
+    for _ in range(steps):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        session.step(samples=1)
+
+
 def run_nodes(
     algorithm: DiLoCo = ALGORITHM,
     *,
