@@ -1,8 +1,9 @@
 """Tensor bytes in the safetensors format and the parameter schema they must match.
 
-Payloads are produced by ``safetensors.serialize`` and read back by a small, bounded header
-parser, so neither direction needs NumPy or an ML framework. Bytes are always little-endian and
-C-contiguous: the format carries no strides, and adapters hand over contiguous host copies.
+Payloads are written byte for byte as ``safetensors.serialize`` writes them and read back by a
+small, bounded header parser, so neither direction needs NumPy, an ML framework or the
+safetensors package. Bytes are always little-endian and C-contiguous: the format carries no
+strides, and adapters hand over contiguous host copies.
 
 Parameters are ``F32``, ``F16`` or ``BF16`` (``DType``, the formats torch and MLX share).
 Payloads may also carry deltas quantized to ``F8_E4M3`` or ``F4`` (``Quantized``) and the
@@ -13,7 +14,6 @@ its data under its name and its scales under ``scale_name(name)``, in the layout
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import itertools
 import json
@@ -24,7 +24,6 @@ from functools import cached_property
 from typing import Literal, TypeAlias, get_args
 
 import attrs
-import safetensors
 
 if sys.byteorder != "little":
     raise ImportError("gradientmail requires a little-endian host")
@@ -290,37 +289,36 @@ def validate(schema: Schema, tensors: Mapping[str, TensorBytes], names: Iterable
 def pack(tensors: Mapping[str, TensorBytes]) -> bytes:
     """Serialize to safetensors bytes without metadata; deterministic for equal content.
 
+    The bytes are those ``safetensors.serialize`` writes (the tests hold the two equal): tensors
+    in descending dtype order of the safetensors crate, then by name; a compact JSON header
+    padded with spaces to a multiple of 8 bytes. Written here because the crate's pointer API
+    spent 1.2 ms on a 1 MB fragment that a join copies in 0.05 ms.
+
     Raises ``ValueError`` for a name that is not a non-empty string or is ``METADATA_KEY``.
     """
     for name in tensors:
         if not isinstance(name, str) or not name or name == METADATA_KEY:
             raise ValueError(f"tensor name {name!r} is empty or reserved")
-
-    def address(data: bytes) -> int:
-        # typeshed's ctypes.cast rejects bytes and c_void_p.value is Optional; this is the
-        # same address as ctypes.cast(data, c_void_p).value with an honest int type.
-        return ctypes.addressof(
-            ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_char)).contents
+    ordered = sorted(tensors.items(), key=lambda item: (_PACK_RANK[item[1].dtype], item[0]))
+    entries = []
+    offset = 0
+    for name, t in ordered:
+        end = offset + len(t.data)
+        # The header records elements, so an F4 tensor keeps its unpacked shape.
+        entries.append(
+            f"{json.dumps(name, ensure_ascii=False)}:"
+            f'{{"dtype":"{t.dtype}","shape":[{",".join(map(str, t.shape))}],'
+            f'"data_offsets":[{offset},{end}]}}'
         )
+        offset = end
+    header = ("{" + ",".join(entries) + "}").encode("utf-8")
+    header += b" " * (-len(header) % 8)
+    return b"".join((len(header).to_bytes(8, "little"), header, *(t.data for _, t in ordered)))
 
-    def shape(t: TensorBytes) -> list[int]:
-        # The F4 spec counts pairs along the last axis; the header records the elements.
-        if t.dtype == "F4":
-            return [*t.shape[:-1], t.shape[-1] // 2]
-        return list(t.shape)
 
-    # `tensors` keeps every buffer alive for the whole call, which the pointer API requires.
-    specs = {
-        name: safetensors.TensorSpec(
-            dtype=SPEC_NAME[t.dtype],
-            shape=shape(t),
-            data_ptr=address(t.data),
-            data_len=len(t.data),
-        )
-        for name, t in tensors.items()
-    }
-    blob: bytes = safetensors.serialize(specs, metadata=None)
-    return blob
+_PACK_ORDER: tuple[PayloadDType, ...] = ("F32", "BF16", "F16", "F8_E8M0", "F8_E4M3", "F4")
+_PACK_RANK: Mapping[PayloadDType, int] = {dtype: rank for rank, dtype in enumerate(_PACK_ORDER)}
+"""The order ``safetensors.serialize`` lays out dtypes: its ``Dtype`` enum's, descending."""
 
 
 def unpack(blob: bytes) -> dict[str, TensorBytes]:

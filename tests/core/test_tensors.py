@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import struct
 from collections.abc import Sequence
 
 import pytest
+import safetensors
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +16,7 @@ from gradientmail.core.tensors import (
     F4_BLOCK,
     MAX_HEADER_BYTES,
     PAYLOAD_DTYPES,
+    SPEC_NAME,
     ParameterSpec,
     PayloadDType,
     Schema,
@@ -66,6 +69,48 @@ def f32(start: int, stop: int, shape: Sequence[object] | None = None) -> dict[st
 @given(tensor_maps)
 def test_pack_unpack_round_trip(mapping: dict[str, TensorBytes]) -> None:
     assert unpack(pack(mapping)) == mapping
+
+
+def serialized(mapping: dict[str, TensorBytes]) -> bytes:
+    """What the safetensors package writes for ``mapping`` (through its pointer API)."""
+
+    def address(data: bytes) -> int:
+        return ctypes.addressof(
+            ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_char)).contents
+        )
+
+    def shape(t: TensorBytes) -> list[int]:
+        # The spec of F4 counts pairs along the last axis; its header records elements.
+        return [*t.shape[:-1], t.shape[-1] // 2] if t.dtype == "F4" else list(t.shape)
+
+    specs = {
+        name: safetensors.TensorSpec(
+            dtype=SPEC_NAME[t.dtype], shape=shape(t), data_ptr=address(t.data), data_len=len(t.data)
+        )
+        for name, t in mapping.items()
+    }
+    blob: bytes = safetensors.serialize(specs, metadata=None)
+    return blob
+
+
+@given(st.dictionaries(st.text(min_size=1, max_size=12), tensors(), max_size=8))
+def test_pack_writes_what_safetensors_writes(mapping: dict[str, TensorBytes]) -> None:
+    if "__metadata__" in mapping:
+        with pytest.raises(ValueError, match="reserved"):
+            pack(mapping)
+        return
+    assert pack(mapping) == serialized(mapping)
+
+
+def test_pack_matches_safetensors_on_a_model_sized_fragment() -> None:
+    mapping = {
+        f"blocks.{i}.{part}\u00e9\n": TensorBytes(
+            dtype=dtype, shape=(64, 32), data=bytes(nbytes(dtype, (64, 32)))
+        )
+        for i in range(12)
+        for part, dtype in (("w", "F32"), ("b", "BF16"), ("n", "F16"), ("q", "F8_E4M3"))
+    }
+    assert pack(mapping) == serialized(mapping)
 
 
 @given(tensor_maps)
