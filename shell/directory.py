@@ -80,6 +80,9 @@ class DirectoryMailbox:
     ) -> None:
         self.root = Path(root).absolute()
         self.url = self.root.as_uri()
+        # Paths are plain strings below: pathlib's parsing cost more CPU per request than the
+        # system calls of a small read.
+        self._root = str(self.root)
         self.stats = RequestStats()
         self._fsync = fsync
         self._offload = offload
@@ -121,10 +124,10 @@ class DirectoryMailbox:
     def __repr__(self) -> str:
         return f"DirectoryMailbox({str(self.root)!r})"
 
-    def _path(self, key: str, operation: str) -> Path:
+    def _path(self, key: str, operation: str) -> str:
         validate_key(key, store=self.url, operation=operation)
         # Validated keys have no '.', '..' or empty segment, so the path stays under root.
-        return self.root.joinpath(*key.split("/"))
+        return f"{self._root}/{key}"
 
     async def _run(
         self, operation: str, key: str, function: Callable[..., _T], *args: object
@@ -139,55 +142,61 @@ class DirectoryMailbox:
             kind = TransientMailboxError if error.errno in _TRANSIENT_ERRNOS else MailboxError
             raise kind(str(error), store=self.url, key=key, operation=operation) from error
 
-    def _link(self, path: Path, data: bytes) -> bool:
-        temp = self._write_temporary(path.parent, data)
+    def _link(self, path: str, data: bytes) -> bool:
+        directory = os.path.dirname(path)
+        temp = self._write_temporary(directory, data)
         try:
             os.link(temp, path)
         except FileExistsError:
-            if path.is_dir():
+            if os.path.isdir(path):
                 raise _KeyConflict(f"{path} is a directory of other keys") from None
             return False
         finally:
-            temp.unlink(missing_ok=True)
-        self._sync_directory(path.parent)
+            _remove(temp)
+        self._sync_directory(directory)
         return True
 
-    def _replace(self, path: Path, data: bytes) -> None:
-        temp = self._write_temporary(path.parent, data)
+    def _replace(self, path: str, data: bytes) -> None:
+        directory = os.path.dirname(path)
+        temp = self._write_temporary(directory, data)
         try:
             os.replace(temp, path)
         except IsADirectoryError:
             raise _KeyConflict(f"{path} is a directory of other keys") from None
         finally:
-            temp.unlink(missing_ok=True)
-        self._sync_directory(path.parent)
+            _remove(temp)
+        self._sync_directory(directory)
 
-    def _unlink(self, path: Path) -> None:
+    def _unlink(self, path: str) -> None:
         try:
-            path.unlink()
+            os.unlink(path)
         except _MISSING:
             return
         # Remove directories the delete left empty, so garbage collection leaves no husks.
-        directory = path.parent
-        while directory != self.root:
+        directory = os.path.dirname(path)
+        while directory != self._root:
             try:
-                directory.rmdir()
+                os.rmdir(directory)
             except OSError:
                 return
-            directory = directory.parent
+            directory = os.path.dirname(directory)
 
-    def _write_temporary(self, directory: Path, data: bytes) -> Path:
+    def _write_temporary(self, directory: str, data: bytes) -> str:
         """A fully written (and fsynced) temporary file in ``directory``."""
         for _ in range(_DIRECTORY_ATTEMPTS):
+            temp = f"{directory}/{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
             try:
-                directory.mkdir(parents=True, exist_ok=True)
-            except (FileExistsError, NotADirectoryError):
-                raise _KeyConflict(f"a key above {directory} is an object") from None
-            temp = directory / f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-            try:
+                # The directory usually exists (a round's keys share theirs): open first and
+                # make it only when missing, one system call instead of two.
                 descriptor = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             except FileNotFoundError:
-                continue
+                try:
+                    os.makedirs(directory, exist_ok=True)
+                except (FileExistsError, NotADirectoryError):
+                    raise _KeyConflict(f"a key above {directory} is an object") from None
+                continue  # a concurrent delete may remove it again before the next open
+            except NotADirectoryError:
+                raise _KeyConflict(f"a key above {directory} is an object") from None
             try:
                 with os.fdopen(descriptor, "wb") as file:
                     file.write(data)
@@ -195,12 +204,12 @@ class DirectoryMailbox:
                     if self._fsync:
                         os.fsync(file.fileno())
             except BaseException:
-                temp.unlink(missing_ok=True)
+                _remove(temp)
                 raise
             return temp
         raise OSError(errno.EBUSY, f"{directory} kept disappearing under concurrent deletes")
 
-    def _sync_directory(self, directory: Path) -> None:
+    def _sync_directory(self, directory: str) -> None:
         # The new name is durable only once its directory is (POSIX fsync(2)).
         if not self._fsync:
             return
@@ -216,7 +225,7 @@ class DirectoryMailbox:
         pending = [base]
         while pending:
             relative = pending.pop()
-            for name, is_dir in _entries(self.root / relative if relative else self.root):
+            for name, is_dir in _entries(f"{self._root}/{relative}" if relative else self._root):
                 key = f"{relative}/{name}" if relative else name
                 if not is_valid_key(key):
                     continue  # temporaries and foreign files
@@ -224,14 +233,21 @@ class DirectoryMailbox:
                     if (key + "/").startswith(prefix) or prefix.startswith(key + "/"):
                         pending.append(key)
                 elif key.startswith(prefix) and (after is None or key > after):
-                    info = _stat(self.root / key, key)
+                    info = _stat(f"{self._root}/{key}", key)
                     if info is not None:
                         infos.append(info)
         infos.sort(key=lambda info: info.key)
         return infos
 
 
-def _read_file(path: Path) -> bytes | None:
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+
+
+def _read_file(path: str) -> bytes | None:
     try:
         with open(path, "rb") as file:
             return file.read()
@@ -239,7 +255,7 @@ def _read_file(path: Path) -> bytes | None:
         return None
 
 
-def _entries(directory: Path) -> list[tuple[str, bool]]:
+def _entries(directory: str) -> list[tuple[str, bool]]:
     try:
         with os.scandir(directory) as entries:
             return [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
@@ -247,9 +263,9 @@ def _entries(directory: Path) -> list[tuple[str, bool]]:
         return []
 
 
-def _stat(path: Path, key: str) -> ObjectInfo | None:
+def _stat(path: str, key: str) -> ObjectInfo | None:
     try:
-        status = path.stat()
+        status = os.stat(path)
     except FileNotFoundError:
         return None  # deleted while we listed
     version = f"{status.st_mtime_ns}-{status.st_size}-{status.st_ino}"
