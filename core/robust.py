@@ -24,6 +24,7 @@ __all__ = [
     "SNAPSHOT_RECORD_BOUND",
     "clip_scales",
     "members",
+    "needs_norms",
     "outliers",
     "oversized",
     "snapshot_bound",
@@ -68,6 +69,13 @@ def members(reporters: Sequence[str], leased: Collection[str]) -> tuple[str, ...
     node name, and the key alone cannot be verified (LIST gives names, not signatures), so a
     name with no lease must not count; genuine nodes write their lease before any snapshot."""
     return tuple(n for n in reporters if n in leased)
+
+
+def needs_norms(count: int, *, factor: float | None, clip: float | None) -> bool:
+    """Whether a closer must compute the norms of a round's ``count`` deltas, all decoded (and so
+    finite): the clip weighs every delta by its norm (``clip_scales``), and the outlier test
+    compares norms only from ``OUTLIER_MINIMUM`` deltas on. A lone node's rounds need none."""
+    return clip is not None or (factor is not None and count >= OUTLIER_MINIMUM)
 
 
 def outliers(

@@ -275,7 +275,7 @@ class Syncer:
         chosen, excluded = rules.include(self._algorithm, r, snapshots)
         clip = self._algorithm.clip
         norms: dict[str, float] = {}
-        if self._outlier_factor is not None or clip is not None:
+        if robust.needs_norms(len(chosen), factor=self._outlier_factor, clip=clip):
             norms = {i.node: self._backend.norm(deltas[i.node]) for i in chosen}
             excluded += robust.outliers(
                 chosen, norms, inner_steps=self._algorithm.inner_steps, factor=self._outlier_factor

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from gradientmail.core import syncer as rules
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.records import Included
-from gradientmail.core.robust import clip_scales
+from gradientmail.core.robust import clip_scales, needs_norms, outliers
 
 NONCE = "0123456789abcdef"
 DIGEST = "cd" * 32
@@ -53,6 +53,25 @@ def test_with_fewer_than_three_deltas_nothing_is_clipped() -> None:
     two = [included("a"), included("b")]
     assert clip_scales(two, {"a": 1.0, "b": 1e9}, inner_steps=10, clip=1.0) == {"a": 1.0, "b": 1.0}
     assert clip_scales([], {}, inner_steps=10, clip=1.0) == {}
+
+
+@given(
+    st.lists(st.floats(0.0, 3.4e38), max_size=5),
+    st.sampled_from([None, 1.5, 10.0]),
+    st.sampled_from([None, 1.0, 4.0]),
+)
+def test_norms_are_skipped_only_where_no_rule_reads_them(
+    norms: list[float], factor: float | None, clip: float | None
+) -> None:
+    # Decoded deltas are finite, so are their norms: without the clip and below the outlier
+    # minimum, no value of them changes the round.
+    chosen = [included(f"n{i}") for i in range(len(norms))]
+    named = {i.node: norm for i, norm in zip(chosen, norms, strict=True)}
+    if needs_norms(len(chosen), factor=factor, clip=clip):
+        assert clip is not None or len(chosen) >= 3
+        return
+    assert clip is None
+    assert outliers(chosen, named, inner_steps=10, factor=factor) == []
 
 
 def test_a_zero_median_clips_nothing() -> None:
