@@ -9,7 +9,10 @@ It remembers the tensors of the payloads it wrote most recently (up to ``written
 bytes), so that reading one back, as a closer's learner does with the commit it just wrote and
 a closer does with the outer state it wrote the fragment's round before, needs no request: a
 payload is named by its key, SHA-256 and size, and the remembered tensors are the ones whose
-bytes had that digest (docs/decisions.md, "A node reads its own payloads from memory").
+bytes had that digest (docs/decisions.md, "A node reads its own payloads from memory"). It
+remembers the snapshots it published the same way, but a snapshot is always read from the store:
+only when the stored bytes equal the published ones are the remembered record and tensors used
+in place of checking and parsing them again.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
+
+import attrs
 
 from gradientmail.clock import Clock
 from gradientmail.core import keys
@@ -50,6 +55,18 @@ WRITTEN_CACHE_BYTES = 256 * 2**20
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+@attrs.frozen(eq=False)
+class _Remembered:
+    """Tensors this exchange wrote, with what a read must match to be given them: a payload's
+    reference (``ref``), or a snapshot's exact stored bytes (``blob``) and record."""
+
+    tensors: dict[str, TensorBytes]
+    size: int  # bytes held: tensor data, and the blob of a snapshot
+    ref: PayloadRef | None = None
+    blob: bytes | None = None
+    record: Snapshot | None = None
 
 
 def new_nonce() -> str:
@@ -91,10 +108,9 @@ class Exchange:
         # Reasons already reported, so that an object re-read every poll (a forged commit
         # squatting its key) is reported once, not once a poll.
         self._reported: set[tuple[str, str]] = set()
-        # Payloads written last, oldest first, shared by a node's two loops (two threads).
-        self._written: OrderedDict[str, tuple[PayloadRef, dict[str, TensorBytes], int]] = (
-            OrderedDict()
-        )
+        # Payloads and snapshots written last, oldest first, shared by a node's two loops (two
+        # threads).
+        self._written: OrderedDict[str, _Remembered] = OrderedDict()
         self._written_bytes = 0
         self._written_limit = written_cache
         self._written_lock = threading.Lock()
@@ -273,11 +289,32 @@ class Exchange:
                 sizes[parsed.node] = info.size
         return sizes
 
-    async def publish(self, snapshot: Snapshot, payload: bytes, compression: Compression) -> bool:
+    async def publish(
+        self,
+        snapshot: Snapshot,
+        payload: bytes,
+        compression: Compression,
+        tensors: Mapping[str, TensorBytes] | None = None,
+    ) -> bool:
         """Create this node's snapshot of a round; False when the key holds another
-        incarnation's snapshot (the round is missed)."""
+        incarnation's snapshot (the round is missed). ``tensors``, the payload's tensors before
+        compression, are remembered: a ``snapshot`` read that finds the very bytes published
+        returns them without verifying and parsing the bytes again."""
+        key = keys.snapshot(snapshot.round, snapshot.node)
         blob = self._seal(snapshot, payload, compression)
-        return await self.create(keys.snapshot(snapshot.round, snapshot.node), blob)
+        created = await self.create(key, blob)
+        if created and tensors is not None:
+            data = sum(len(t.data) for t in tensors.values())
+            self._remember(
+                key,
+                _Remembered(
+                    tensors=dict(sorted(tensors.items())),
+                    size=data + len(blob),
+                    blob=blob,
+                    record=snapshot,
+                ),
+            )
+        return created
 
     async def snapshot(
         self, r: int, node: str, *, limit: int
@@ -287,6 +324,11 @@ class Exchange:
         blob = await self.get(key)
         if blob is None:
             return None
+        with self._written_lock:
+            mine = self._written.get(key)
+        if mine is not None and mine.record is not None and blob == mine.blob:
+            # The very bytes this node published, which pass every check below.
+            return mine.record, dict(mine.tensors)
         sealed = unseal(blob)
         record = read_record(sealed.record, Snapshot, key=key, verifier=self.keyring)
         if payload_digest(sealed.payload) != record.digest:
@@ -311,7 +353,8 @@ class Exchange:
         if not await self.create(key, blob):
             raise FormatError("payload key already taken (nonce collision)", key=key)
         ref = PayloadRef(key=key, digest=payload_digest(payload), size=len(blob))
-        self._remember_written(ref, tensors)
+        size = sum(len(t.data) for t in tensors.values())
+        self._remember(key, _Remembered(tensors=dict(sorted(tensors.items())), size=size, ref=ref))
         return ref
 
     async def read_payload(self, ref: PayloadRef, *, limit: int) -> dict[str, TensorBytes] | None:
@@ -336,37 +379,37 @@ class Exchange:
         except ValueError as exc:
             raise FormatError(f"payload: {exc}", key=ref.key) from None
 
-    def _remember_written(self, ref: PayloadRef, tensors: Mapping[str, TensorBytes]) -> None:
-        size = sum(len(t.data) for t in tensors.values())
-        if size > self._written_limit:
+    def _remember(self, key: str, entry: _Remembered) -> None:
+        if entry.size > self._written_limit:
             return
-        self.forget_written(ref.key)
+        self.forget_written(key)
         with self._written_lock:
-            self._written[ref.key] = (ref, dict(sorted(tensors.items())), size)
-            self._written_bytes += size
+            self._written[key] = entry
+            self._written_bytes += entry.size
             while self._written_bytes > self._written_limit:
-                _, (_, _, dropped) = self._written.popitem(last=False)
-                self._written_bytes -= dropped
+                _, dropped = self._written.popitem(last=False)
+                self._written_bytes -= dropped.size
 
     def _recall_written(self, ref: PayloadRef) -> dict[str, TensorBytes] | None:
         with self._written_lock:
             entry = self._written.get(ref.key)
-        if entry is None or entry[0] != ref:
+        if entry is None or entry.ref != ref:
             return None
-        return dict(entry[1])
+        return dict(entry.tensors)
 
     def forget_written(self, *keys: str) -> None:
-        """Stop remembering the payloads at ``keys`` (superseded ones): a later read of one
-        goes to the store."""
+        """Stop remembering the payloads or snapshots at ``keys`` (superseded or closed ones):
+        a later read of one is verified and parsed from the store's bytes."""
         with self._written_lock:
             for key in keys:
                 entry = self._written.pop(key, None)
                 if entry is not None:
-                    self._written_bytes -= entry[2]
+                    self._written_bytes -= entry.size
 
     @property
     def remembered_bytes(self) -> int:
-        """Bytes of tensor data held of the payloads written last (at most ``written_cache``)."""
+        """Bytes held of the payloads and snapshots written last (at most ``written_cache``):
+        tensor data, and a snapshot's stored bytes."""
         with self._written_lock:
             return self._written_bytes
 

@@ -258,7 +258,7 @@ class Learner:
             steps=publish.steps,
             digest=payload_digest(data),
         )
-        ours = await self._exchange.publish(snapshot, data, self._compression)
+        ours = await self._exchange.publish(snapshot, data, self._compression, payload)
         self._ledger.published(publish.round)
         if self._uploaded is not None:
             self._uploaded()

@@ -220,6 +220,8 @@ class Syncer:
         self._ledger.unwatch(r)
         self._watches.pop(r, None)
         self._views.pop(r, None)
+        # The round is committed: this node's snapshot of it is not read again.
+        self._exchange.forget_written(keys.snapshot(r, self.node))
 
     async def _close(self, r: int, attempt: int) -> None:
         claim = Claim(node=self.node, nonce=new_nonce(), round=r, attempt=attempt)

@@ -1,5 +1,7 @@
 """The exchange remembers the payloads it wrote: reading one back needs no request, and nothing
-but the exact payload it wrote (same key, digest and size) is ever served from memory."""
+but the exact payload it wrote (same key, digest and size) is ever served from memory. It
+remembers its snapshots too, but reads them from the store every time and uses what it
+remembers only when the stored bytes are exactly the ones it published."""
 
 from __future__ import annotations
 
@@ -12,7 +14,10 @@ import pytest
 
 from gradientmail.clock import MonotonicClock
 from gradientmail.core import keys
+from gradientmail.core.codecs import compress
+from gradientmail.core.envelope import payload_digest
 from gradientmail.core.errors import FormatError
+from gradientmail.core.records import Snapshot
 from gradientmail.core.tensors import TensorBytes
 from gradientmail.exchange import Exchange
 from gradientmail.memory import MemoryMailbox
@@ -126,6 +131,71 @@ def test_forgotten_payloads_are_read_from_the_store() -> None:
         assert exchange.remembered_bytes == 0
         assert await exchange.read_payload(ref, limit=LIMIT) == dict(sorted(tensors(6.0).items()))
         assert gets(mailbox) == 1
+
+    asyncio.run(main())
+
+
+async def publish(exchange: Exchange, r: int, seed: float) -> Snapshot:
+    data = compress(tensors(seed), "zstd")
+    snapshot = Snapshot(
+        node=exchange.node,
+        nonce="78" * 8,
+        round=r,
+        base_round=r - 4,
+        samples=64,
+        steps=10,
+        digest=payload_digest(data),
+    )
+    assert await exchange.publish(snapshot, data, "zstd", tensors(seed))
+    return snapshot
+
+
+def test_a_snapshot_is_read_from_the_store_and_matches_what_another_node_reads() -> None:
+    store = MemoryMailbox()
+    writer_box, reader_box = store.handle(), store.handle()
+    writer = Exchange(writer_box, MonotonicClock(), node="closer")
+    reader = Exchange(reader_box, MonotonicClock(), node="other")
+
+    async def main() -> None:
+        record = await publish(writer, 9, 7.0)
+        blob = await writer_box.get(keys.snapshot(9, "closer"))
+        assert blob is not None
+        assert writer.remembered_bytes == sum(len(t.data) for t in tensors(7.0).values()) + len(
+            blob
+        )
+        mine = await writer.snapshot(9, "closer", limit=LIMIT)
+        theirs = await reader.snapshot(9, "closer", limit=LIMIT)
+        assert mine == theirs == (record, dict(sorted(tensors(7.0).items())))
+        assert gets(writer_box) == 2, "the writer still reads the stored bytes"
+        writer.forget_written(keys.snapshot(9, "closer"))
+        assert writer.remembered_bytes == 0
+        assert await writer.snapshot(9, "closer", limit=LIMIT) == theirs
+
+    asyncio.run(main())
+
+
+def test_a_tampered_snapshot_is_checked_and_refused_by_its_writer_too() -> None:
+    store = MemoryMailbox()
+    writer_box, hostile = store.handle(), store.handle()
+    writer = Exchange(writer_box, MonotonicClock(), node="closer")
+
+    async def main() -> None:
+        await publish(writer, 5, 1.0)
+        key = keys.snapshot(5, "closer")
+        blob = await hostile.get(key)
+        assert blob is not None
+        await hostile.put(key, blob[:-1] + bytes([blob[-1] ^ 1]))
+        with pytest.raises(FormatError, match="digest") as error:
+            await writer.snapshot(5, "closer", limit=LIMIT)
+        assert error.value.key == key
+        # Another incarnation's snapshot under the key, whole and valid, is what the store holds.
+        other = Exchange(hostile, MonotonicClock(), node="closer")
+        await hostile.delete(key)
+        theirs = await publish(other, 5, 2.0)
+        assert await writer.snapshot(5, "closer", limit=LIMIT) == (
+            theirs,
+            dict(sorted(tensors(2.0).items())),
+        )
 
     asyncio.run(main())
 
