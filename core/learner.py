@@ -64,6 +64,19 @@ class FragmentState:
     def free(self) -> bool:
         return self.outstanding is None
 
+    def trained(self, samples: int) -> FragmentState:
+        """This fragment after one more inner step of ``samples`` tokens (``attrs.evolve``
+        spelled out: it runs for every fragment at every step, on the training thread)."""
+        return FragmentState(
+            merged=self.merged,
+            outstanding=self.outstanding,
+            published_at=self.published_at,
+            in_flight_samples=self.in_flight_samples,
+            in_flight_steps=self.in_flight_steps,
+            samples=self.samples + samples,
+            steps=self.steps + 1,
+        )
+
 
 @attrs.frozen(kw_only=True)
 class LearnerState:
@@ -143,10 +156,13 @@ def step(state: LearnerState, algorithm: DiLoCo, samples: int) -> tuple[LearnerS
         raise ValueError(f"samples must be an integer >= 0 (tokens), got {samples!r}")
     if state.closing:
         raise ProtocolError("step() after close()")
-    fragments = tuple(
-        attrs.evolve(f, samples=f.samples + samples, steps=f.steps + 1) for f in state.fragments
+    state = LearnerState(
+        fragments=tuple(f.trained(samples) for f in state.fragments),
+        step=state.step + 1,
+        slot=state.slot,
+        deferred=state.deferred,
+        closing=state.closing,
     )
-    state = attrs.evolve(state, step=state.step + 1, fragments=fragments)
     effects: list[Effect] = []
     while state.step >= slot_end(algorithm, state.slot):
         # A slot that finds no free fragment waits for a merge; at most one per fragment.
