@@ -102,12 +102,28 @@ def test_pack_writes_what_safetensors_writes(mapping: dict[str, TensorBytes]) ->
     assert pack(mapping) == serialized(mapping)
 
 
-def test_pack_matches_safetensors_on_a_model_sized_fragment() -> None:
+# Characters JSON writers treat differently: quotes, backslashes, control characters (short
+# escapes and \u00XX), DEL, non-ASCII, and the line separators JavaScript escapes.
+ODD_NAMES = (
+    "",
+    '"',
+    "\\",
+    "\n\t\b\f\r",
+    "\x01\x1f",
+    "\x7f",
+    "\u00e9",
+    "\u2028\u2029",
+    "\U0001f600",
+    "/",
+)
+
+
+def test_pack_matches_safetensors_on_names_json_writers_escape_differently() -> None:
     mapping = {
-        f"blocks.{i}.{part}\u00e9\n": TensorBytes(
+        f"blocks.{i}.{part}{odd}": TensorBytes(
             dtype=dtype, shape=(64, 32), data=bytes(nbytes(dtype, (64, 32)))
         )
-        for i in range(12)
+        for i, odd in enumerate(ODD_NAMES)
         for part, dtype in (("w", "F32"), ("b", "BF16"), ("n", "F16"), ("q", "F8_E4M3"))
     }
     assert pack(mapping) == serialized(mapping)
@@ -345,6 +361,13 @@ def test_schema_lookup_subset_and_validate() -> None:
     )
     assert schema["a"].nbytes == 6 and "b" in schema and "c" not in schema
     assert schema.subset(["b"]).names == ("b",)
+    assert schema.f32 == Schema.of(
+        [
+            ParameterSpec(name="b", dtype="F32", shape=(2,)),
+            ParameterSpec(name="a", dtype="F32", shape=(3,)),
+        ]
+    )
+    assert schema.f32 is schema.f32, "built once"
     with pytest.raises(KeyError, match="no parameter 'c'"):
         schema.subset(["c"])
     good = {"a": TensorBytes(dtype="BF16", shape=(3,), data=bytes(6))}
