@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from functools import cached_property
 from typing import Any, ClassVar, TypeVar
 
 import attrs
@@ -144,7 +145,12 @@ class Manifest:
         return self.schema.digest()
 
     def fragment_schema(self, fragment: int) -> Schema:
-        return self.schema.subset(self.fragments[fragment])
+        return self._fragment_schemas[fragment]
+
+    @cached_property
+    def _fragment_schemas(self) -> tuple[Schema, ...]:
+        # Built once: a closer and its learner ask for one every round.
+        return tuple(self.schema.subset(names) for names in self.fragments)
 
     def to_json(self) -> dict[str, Any]:
         return {

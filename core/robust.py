@@ -10,8 +10,6 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping, Sequence
 
-import attrs
-
 from gradientmail.core.codecs import max_packed_size
 from gradientmail.core.envelope import HEADER_BYTES
 from gradientmail.core.records import Included
@@ -50,8 +48,7 @@ def snapshot_bound(schema: Schema) -> int:
     The largest payload layout is a plain F32 delta; a ``"zstd"`` frame of incompressible
     bytes grows by at most 1/256 plus a few bytes a block, and a block ends at every byte plane
     (at most 4 a tensor). Anything larger cannot be a genuine snapshot, whatever its codec."""
-    f32 = Schema.of(attrs.evolve(p, dtype="F32") for p in schema.parameters)
-    packed = max_packed_size(f32)
+    packed = max_packed_size(schema.f32)
     frame = packed + packed // 256 + 64 + 8 * (4 * len(schema.parameters) + 2)
     return HEADER_BYTES + SNAPSHOT_RECORD_BOUND + frame
 

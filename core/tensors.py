@@ -213,6 +213,11 @@ class Schema:
         return Schema.of(self[name] for name in names)
 
     @cached_property
+    def f32(self) -> Schema:
+        """This schema with every parameter ``F32``: the outer optimizer's master and momentum."""
+        return Schema(parameters=tuple(attrs.evolve(p, dtype="F32") for p in self.parameters))
+
+    @cached_property
     def _by_name(self) -> Mapping[str, ParameterSpec]:
         return {p.name: p for p in self.parameters}
 

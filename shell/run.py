@@ -282,6 +282,22 @@ async def read_outer_state(
     return master, {n: loaded[f"momentum.{n}"] for n in schema.names}
 
 
+async def read_base(
+    exchange: Exchange, backend: Backend, manifest: Manifest, fragment: int, before: Commit | None
+) -> tuple[Tensors, Tensors | None] | None:
+    """The F32 master parameters and momentum an outer step of ``fragment`` starts from: those
+    ``before``, the fragment's previous commit, left (``read_outer_state``), or for the
+    fragment's first round (``before`` None) its initial parameters cast to F32 and no momentum.
+    None when a payload is gone (collected)."""
+    schema = manifest.fragment_schema(fragment)
+    if before is not None:
+        return await read_outer_state(exchange, backend, before, schema)
+    init = await read_fragment(exchange, manifest.init[fragment], schema)
+    if init is None:
+        return None
+    return backend.cast(backend.load(init), schema.f32), None
+
+
 async def newest_commit(exchange: Exchange, manifest: Manifest, fragment: int) -> Commit | None:
     """The newest commit of ``fragment`` (None: only the initial parameters), found from the
     ``heads/`` hint and forward GETs.

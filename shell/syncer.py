@@ -34,7 +34,7 @@ from gradientmail.events import (
 )
 from gradientmail.exchange import Exchange, new_nonce
 from gradientmail.ledger import Ledger
-from gradientmail.run import outer_state, payload_limit, read_fragment, read_outer_state
+from gradientmail.run import outer_state, payload_limit, read_base
 
 __all__ = ["Syncer"]
 
@@ -289,7 +289,7 @@ class Syncer:
         if not chosen:
             return None
         try:
-            master, momentum = await self._outer_state(r, k, schema)
+            master, momentum = await self._outer_state(r, k)
         except ValueError as exc:  # FormatError, SchemaMismatch: a corrupt base; retried later
             self._exchange.reject(getattr(exc, "key", None) or keys.round_prefix(r), str(exc))
             return None
@@ -381,22 +381,20 @@ class Syncer:
             snapshots.append((node, record))
         return snapshots, deltas
 
-    async def _outer_state(self, r: int, k: int, schema: Schema) -> tuple[Tensors, Tensors | None]:
+    async def _outer_state(self, r: int, k: int) -> tuple[Tensors, Tensors | None]:
         """F32 master parameters and momentum the round's outer step starts from."""
         previous = rules.previous_round(self._algorithm, r)
-        f32 = Schema.of(attrs.evolve(p, dtype="F32") for p in schema.parameters)
-        if previous < 0:
-            init = await read_fragment(self._exchange, self._manifest.init[k], schema)
-            if init is None:
-                raise FormatError("initial parameters are gone", key=self._manifest.init[k].key)
-            return self._backend.cast(self._backend.load(init), f32), None
-        before = self._ledger.commit(previous) or await self._exchange.commit(previous)
+        before = None
+        if previous >= 0:
+            before = self._ledger.commit(previous) or await self._exchange.commit(previous)
+            if before is None:
+                raise FormatError(f"round {r}'s base round {previous} has no commit")
+        state = await read_base(self._exchange, self._backend, self._manifest, k, before)
+        if state is not None:
+            return state
         if before is None:
-            raise FormatError(f"round {r}'s base round {previous} has no commit")
-        state = await read_outer_state(self._exchange, self._backend, before, schema)
-        if state is None:
-            raise FormatError("outer state is gone", key=before.state.key)
-        return state
+            raise FormatError("initial parameters are gone", key=self._manifest.init[k].key)
+        raise FormatError("outer state is gone", key=before.state.key)
 
     async def _collect(self, r: int) -> None:
         if self._keep_rounds is None:

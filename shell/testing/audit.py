@@ -32,10 +32,10 @@ from gradientmail.core.errors import FormatError
 from gradientmail.core.records import Commit, Manifest, Snapshot, read_record
 from gradientmail.core.robust import oversized, snapshot_bound
 from gradientmail.core.signing import Keyring
-from gradientmail.core.tensors import Schema, TensorBytes
+from gradientmail.core.tensors import TensorBytes
 from gradientmail.exchange import Exchange
 from gradientmail.mailbox import Mailbox
-from gradientmail.run import read_fragment, read_manifest, read_outer_state
+from gradientmail.run import read_base, read_fragment, read_manifest
 
 __all__ = ["AuditError", "AuditReport", "audit", "audit_async"]
 
@@ -293,24 +293,17 @@ async def _recompute(
     commit = commits[r]
     k = commit.fragment
     schema = manifest.fragment_schema(k)
-    f32 = Schema.of(attrs.evolve(p, dtype="F32") for p in schema.parameters)
     deltas = []
     for i in commit.included:
         found = await exchange.snapshot(r, i.node, limit=1 << 34)
         if found is None or found[0].nonce != i.nonce:
             return 0, []  # inputs collected: nothing to recompute
         deltas.append(backend.decode(found[1], schema))
-    base = commit.base_round
-    if base < 0:
-        init = await read_fragment(exchange, manifest.init[k], schema)
-        if init is None:
-            return 0, []
-        master, momentum = backend.cast(backend.load(init), f32), None
-    else:
-        state = await read_outer_state(exchange, backend, commits[base], schema)
-        if state is None:
-            return 0, []
-        master, momentum = state
+    before = commits[commit.base_round] if commit.base_round >= 0 else None
+    state = await read_base(exchange, backend, manifest, k, before)
+    if state is None:
+        return 0, []
+    master, momentum = state
     norms = None
     if manifest.algorithm.clip is not None:  # the closer's norm clip, recomputed from the deltas
         norms = {i.node: backend.norm(d) for i, d in zip(commit.included, deltas, strict=True)}

@@ -32,10 +32,9 @@ from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.envelope import unseal
 from gradientmail.core.errors import FormatError
 from gradientmail.core.records import Claim, Commit, Manifest, Snapshot, read_record
-from gradientmail.core.tensors import Schema
 from gradientmail.exchange import Exchange
 from gradientmail.memory import MemoryMailbox
-from gradientmail.run import read_fragment, read_outer_state
+from gradientmail.run import read_base, read_fragment
 from gradientmail.testing.sim_mailbox import run_now
 from gradientmail.testing.sim_scheduler import NodeClock, Process, SimClock
 
@@ -227,23 +226,18 @@ class Checker:
         backend, exchange = self.backend, self.exchange
         k = commit.fragment
         schema = manifest.fragment_schema(k)
-        f32 = Schema.of(attrs.evolve(p, dtype="F32") for p in schema.parameters)
         deltas = []
         for i in commit.included:
             found = run_now(exchange.snapshot(commit.round, i.node, limit=1 << 30))
             if found is None or found[0].nonce != i.nonce:
                 return  # the planted overwrite can leave inputs that no longer match
             deltas.append(backend.decode(found[1], schema))
-        if commit.base_round < 0:
-            init = run_now(read_fragment(exchange, manifest.init[k], schema))
-            master, momentum = backend.cast(backend.load(init), f32), None
-        else:
-            state = run_now(
-                read_outer_state(exchange, backend, self.commits[commit.base_round], schema)
-            )
-            if state is None:
-                return
-            master, momentum = state
+        base = commit.base_round
+        before = self.commits[base] if base >= 0 else None
+        state = run_now(read_base(exchange, backend, manifest, k, before))
+        if state is None:
+            return
+        master, momentum = state
         weights = rules.outer_weights(self.algorithm, commit.included)
         gradient = backend.weighted_sum(list(zip(weights, deltas, strict=True)))
         a = self.algorithm
