@@ -95,14 +95,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         per = 1000 / max(1, rounds)
         ratio = (stepping + threads) / training
         ratios.append(ratio)
+        # Against sleeps the "training" is a few additions: no ratio to speak of.
+        share = "-" if args.sleep else f"{100 * ratio:.2f}%"
         print(
             f"| {n} | {per * training:.1f} | {per * stepping:.2f} | {per * threads:.1f} | "
-            f"{100 * ratio:.2f}% |",
+            f"{share} |",
             flush=True,
         )
-    print()
-    median = 100 * statistics.median(ratios)
-    print(f"Session CPU per training CPU, median of {args.repeat}: {median:.2f}%")
+    if not args.sleep:
+        median = 100 * statistics.median(ratios)
+        print(f"\nSession CPU per training CPU, median of {args.repeat}: {median:.2f}%")
 
 
 if __name__ == "__main__":
