@@ -44,14 +44,6 @@ ITEM_BITS: Mapping[PayloadDType, int] = {
     "F8_E8M0": 8,
     "F4": 4,
 }
-SPEC_NAME: Mapping[PayloadDType, str] = {
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E8M0": "float8_e8m0fnu",
-    "F4": "float4_e2m1fn_x2",
-}
 F4_BLOCK = 32
 """Elements per scale of an ``F4`` tensor, which is padded to a multiple of them."""
 

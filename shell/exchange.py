@@ -304,16 +304,7 @@ class Exchange:
         blob = self._seal(snapshot, payload, compression)
         created = await self.create(key, blob)
         if created and tensors is not None:
-            data = sum(len(t.data) for t in tensors.values())
-            self._remember(
-                key,
-                _Remembered(
-                    tensors=dict(sorted(tensors.items())),
-                    size=data + len(blob),
-                    blob=blob,
-                    record=snapshot,
-                ),
-            )
+            self._remember(key, tensors, blob=blob, record=snapshot)
         return created
 
     async def snapshot(
@@ -353,8 +344,7 @@ class Exchange:
         if not await self.create(key, blob):
             raise FormatError("payload key already taken (nonce collision)", key=key)
         ref = PayloadRef(key=key, digest=payload_digest(payload), size=len(blob))
-        size = sum(len(t.data) for t in tensors.values())
-        self._remember(key, _Remembered(tensors=dict(sorted(tensors.items())), size=size, ref=ref))
+        self._remember(key, tensors, ref=ref)
         return ref
 
     async def read_payload(self, ref: PayloadRef, *, limit: int) -> dict[str, TensorBytes] | None:
@@ -379,9 +369,21 @@ class Exchange:
         except ValueError as exc:
             raise FormatError(f"payload: {exc}", key=ref.key) from None
 
-    def _remember(self, key: str, entry: _Remembered) -> None:
-        if entry.size > self._written_limit:
+    def _remember(
+        self,
+        key: str,
+        tensors: Mapping[str, TensorBytes],
+        *,
+        ref: PayloadRef | None = None,
+        blob: bytes | None = None,
+        record: Snapshot | None = None,
+    ) -> None:
+        size = sum(len(t.data) for t in tensors.values()) + len(blob or b"")
+        if size > self._written_limit:
             return
+        entry = _Remembered(
+            tensors=dict(sorted(tensors.items())), size=size, ref=ref, blob=blob, record=record
+        )
         self.forget_written(key)
         with self._written_lock:
             self._written[key] = entry

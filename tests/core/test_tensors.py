@@ -16,7 +16,6 @@ from gradientmail.core.tensors import (
     F4_BLOCK,
     MAX_HEADER_BYTES,
     PAYLOAD_DTYPES,
-    SPEC_NAME,
     ParameterSpec,
     PayloadDType,
     Schema,
@@ -69,6 +68,17 @@ def f32(start: int, stop: int, shape: Sequence[object] | None = None) -> dict[st
 @given(tensor_maps)
 def test_pack_unpack_round_trip(mapping: dict[str, TensorBytes]) -> None:
     assert unpack(pack(mapping)) == mapping
+
+
+# The safetensors package's names of the dtypes (its TensorSpec API).
+SPEC_NAME: dict[PayloadDType, str] = {
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E8M0": "float8_e8m0fnu",
+    "F4": "float4_e2m1fn_x2",
+}
 
 
 def serialized(mapping: dict[str, TensorBytes]) -> bytes:

@@ -37,11 +37,16 @@ def gets(mailbox: MemoryMailbox) -> int:
     return mailbox.stats.snapshot()["get"]
 
 
-def test_a_payload_read_back_by_its_writer_needs_no_request() -> None:
+def two_nodes() -> tuple[MemoryMailbox, MemoryMailbox, Exchange, Exchange]:
+    """Two handles on one store, and the exchanges of a writer ("closer") and a reader."""
     store = MemoryMailbox()
     writer_box, reader_box = store.handle(), store.handle()
     writer = Exchange(writer_box, MonotonicClock(), node="closer")
-    reader = Exchange(reader_box, MonotonicClock(), node="other")
+    return writer_box, reader_box, writer, Exchange(reader_box, MonotonicClock(), node="other")
+
+
+def test_a_payload_read_back_by_its_writer_needs_no_request() -> None:
+    writer_box, reader_box, writer, reader = two_nodes()
 
     async def main() -> None:
         ref = await writer.write_payload(keys.params(4, "ab" * 8), tensors(1.0), "off")
@@ -151,10 +156,7 @@ async def publish(exchange: Exchange, r: int, seed: float) -> Snapshot:
 
 
 def test_a_snapshot_is_read_from_the_store_and_matches_what_another_node_reads() -> None:
-    store = MemoryMailbox()
-    writer_box, reader_box = store.handle(), store.handle()
-    writer = Exchange(writer_box, MonotonicClock(), node="closer")
-    reader = Exchange(reader_box, MonotonicClock(), node="other")
+    writer_box, _, writer, reader = two_nodes()
 
     async def main() -> None:
         record = await publish(writer, 9, 7.0)
@@ -175,9 +177,7 @@ def test_a_snapshot_is_read_from_the_store_and_matches_what_another_node_reads()
 
 
 def test_a_tampered_snapshot_is_checked_and_refused_by_its_writer_too() -> None:
-    store = MemoryMailbox()
-    writer_box, hostile = store.handle(), store.handle()
-    writer = Exchange(writer_box, MonotonicClock(), node="closer")
+    _, hostile, writer, _ = two_nodes()
 
     async def main() -> None:
         await publish(writer, 5, 1.0)
