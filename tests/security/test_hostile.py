@@ -145,9 +145,10 @@ def test_a_hostile_writer_process_beside_three_node_processes_changes_no_outcome
     differ too. So exactness is asserted where it is well defined: the audit, with the run's
     keyring, recomputes every commit bit for bit from exactly the snapshots it lists and finds
     no violation, none of those snapshots is the writer's, and everything the writer wrote is
-    reported; the last node to close, and every node that saw the run's last round, holds
-    ``align``'s parameters (a node can leave before a round the others still trained for: a
-    fragment's first round expects only the nodes its closer has seen live). Against
+    reported; every node that saw the run's last round (at least one does) holds ``align``'s
+    parameters (a node can leave before a round the others still trained for: a fragment's
+    first round expects only the nodes its closer has seen live; and which node closes last
+    is a race, since a node's last commit may precede another's leftover round). Against
     the clean run the comparison is by held-out loss, with a margin, when both runs end on the
     same round (in practice the nodes train in lockstep and the two losses are often equal).
     """
@@ -189,9 +190,9 @@ def test_a_hostile_writer_process_beside_three_node_processes_changes_no_outcome
         finals[name] = rounds
         assert rounds == max(audit(mailbox_from_url(cluster.url), keyring=KEYRING).rounds)
         # A node that left before the run's last round (its final snapshot went to an earlier
-        # round) holds that round's parameters; the last to close holds the run's final ones.
-        last = max(results[name].values(), key=lambda r: r["closed_at"])
-        assert last["rounds_seen"] == rounds and last["params"] == digest, name
+        # round) holds that round's parameters; those that merged the last round hold the run's
+        # final ones. Not "the last to close": a fresh-clone CI run had the node that closed
+        # last see round 8 while another node's leftover steps had made round 9.
         saw_the_end = {r["params"] for r in results[name].values() if r["rounds_seen"] == rounds}
         assert saw_the_end == {digest}, name
         assert all(r["final_loss"] < 0.5 * r["initial_loss"] for r in results[name].values())
