@@ -409,6 +409,11 @@ class Exchange:
                     self._written_bytes -= entry.size
 
     @property
+    def written_limit(self) -> int:
+        """The budget, in bytes, for remembering what this node wrote (``written_cache``)."""
+        return self._written_limit
+
+    @property
     def remembered_bytes(self) -> int:
         """Bytes held of the payloads and snapshots written last (at most ``written_cache``):
         tensor data, and a snapshot's stored bytes."""

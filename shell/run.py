@@ -9,6 +9,7 @@ rounds, Decision 8) and load it into the model.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -224,6 +225,7 @@ async def read_fragment(
     return tensors
 
 
+@functools.lru_cache(maxsize=64)
 def outer_state_schema(schema: Schema, *, master: bool | None = None) -> Schema:
     """What a commit's ``state`` payload holds for a fragment of ``schema``: the F32 outer
     momentum of each parameter (``momentum.<name>``) and the F32 master parameters

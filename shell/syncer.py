@@ -10,6 +10,7 @@ waits; commits are learned from the learner's GET polls (the ``Ledger``), never 
 from __future__ import annotations
 
 import time as _wall  # only for the Committed event's duration; never for decisions
+from collections import OrderedDict
 from collections.abc import Callable
 
 import attrs
@@ -37,6 +38,18 @@ from gradientmail.ledger import Ledger
 from gradientmail.run import outer_state, payload_limit, read_base
 
 __all__ = ["Syncer"]
+
+
+@attrs.frozen(kw_only=True)
+class _Kept:
+    """The F32 master parameters and momentum of a commit this node wrote, as its outer step
+    left them: the next outer step of the fragment starts from them when it is this node's."""
+
+    round: int
+    nonce: str
+    master: Tensors
+    momentum: Tensors
+    size: int  # bytes: both in F32
 
 
 @attrs.frozen(kw_only=True)
@@ -92,6 +105,9 @@ class Syncer:
         self._bell = bell
         self._committed = committed
         self._leases = Leases()
+        # fragment -> the outer state of the last commit of it this node wrote, oldest first,
+        # within the exchange's budget for what this node wrote (``Exchange.written_limit``).
+        self._kept: OrderedDict[int, _Kept] = OrderedDict()
         self._known: dict[str, _Known] = {}  # node -> its lease as last read
         self._rejected_leases: dict[str, str] = {}  # node -> version: not read again
         self._watches: dict[int, rules.RoundWatch] = {}
@@ -332,6 +348,7 @@ class Syncer:
             await self._exchange.delete(params_ref.key)
             await self._exchange.delete(state_ref.key)
             return None
+        self._keep(commit, master, momentum, schema)
         await self._exchange.put_head(k, r)
         # Superseded by ours: this node reads the new payloads from now on.
         before = self._ledger.commit(commit.base_round)
@@ -381,6 +398,20 @@ class Syncer:
             snapshots.append((node, record))
         return snapshots, deltas
 
+    def _keep(self, commit: Commit, master: Tensors, momentum: Tensors, schema: Schema) -> None:
+        """Keep the outer state ``commit`` stored, as tensors, for the fragment's next outer
+        step: reading it back would be the store's bytes of exactly these tensors."""
+        self._kept.pop(commit.fragment, None)
+        size = 2 * schema.f32.nbytes()
+        limit = self._exchange.written_limit
+        if size > limit:
+            return
+        while self._kept and sum(kept.size for kept in self._kept.values()) + size > limit:
+            self._kept.popitem(last=False)
+        self._kept[commit.fragment] = _Kept(
+            round=commit.round, nonce=commit.nonce, master=master, momentum=momentum, size=size
+        )
+
     async def _outer_state(self, r: int, k: int) -> tuple[Tensors, Tensors | None]:
         """F32 master parameters and momentum the round's outer step starts from."""
         previous = rules.previous_round(self._algorithm, r)
@@ -389,6 +420,9 @@ class Syncer:
             before = self._ledger.commit(previous) or await self._exchange.commit(previous)
             if before is None:
                 raise FormatError(f"round {r}'s base round {previous} has no commit")
+            kept = self._kept.get(k)
+            if kept is not None and (kept.round, kept.nonce) == (before.round, before.nonce):
+                return kept.master, kept.momentum  # our own commit: what its payloads hold
         state = await read_base(self._exchange, self._backend, self._manifest, k, before)
         if state is not None:
             return state

@@ -134,6 +134,16 @@ def committed_rounds(events: list[Event]) -> list[int]:
     return sorted(e.round for e in events if isinstance(e, Committed))
 
 
+def assert_chains(rounds: list[int], fragments: int) -> None:
+    """Each round committed once, and every fragment's commits an unbroken chain r, r+K, ...
+    from its first round (a fragment that trained nothing since its last snapshot publishes
+    nothing at close, so the run's last rounds need not be contiguous across fragments)."""
+    assert rounds == sorted(set(rounds)), "a round committed twice"
+    for k in range(fragments):
+        chain = [r for r in rounds if r % fragments == k]
+        assert chain == list(range(k, k + fragments * len(chain), fragments)), chain
+
+
 def parameters(models: list[torch.nn.Module]) -> list[list[Any]]:
     """Every model's parameters as nested lists, for exact comparison."""
     return [[p.tolist() for p in model.parameters()] for model in models]
