@@ -94,6 +94,7 @@ class Learner:
         self._stopping = False
         # Communication-loop state.
         self._next_poll = [rules.next_round(self.algorithm, k, r) for k, r in enumerate(rounds)]
+        self._poll_due = [float("-inf")] * K  # clock time of each fragment's next GET
         self._residual: list[Tensors | None] = [None] * K
         self.rounds_seen = max(rounds)
 
@@ -289,8 +290,17 @@ class Learner:
 
     async def _poll_fragment(self, k: int) -> bool:
         r = self._next_poll[k]
+        known = self._ledger.commit(r)
+        now = self._exchange.clock.now()
+        if known is None:
+            # Another node's commit is polled for once per interval (a bell that wakes the
+            # loop sooner does not add GETs); one this node's syncer wrote or read is taken
+            # from the ledger at once. The slack keeps a timer that fires a hair early on time.
+            if now < self._poll_due[k] - self._poll_interval / 100:
+                return False
+            self._poll_due[k] = now + self._poll_interval
         try:
-            found = await self._fetch(k, r)
+            found = await self._fetch(k, r, known)
         except ValueError as exc:
             # FormatError or SchemaMismatch: a corrupt, forged or replayed commit or params.
             # Reported and polled again later; never merged, never fatal to the loop.
@@ -304,14 +314,17 @@ class Learner:
             self._ready.append((commit, tensors, counted))
             self._lock.notify_all()
         self._next_poll[k] = commit.round + self.algorithm.fragments
+        if known is None:
+            self._poll_due[k] = float("-inf")  # found in the store: a node catching up reads on
         return True
 
     async def _fetch(
-        self, k: int, r: int
+        self, k: int, r: int, known: Commit | None = None
     ) -> tuple[Commit, Tensors, frozenset[tuple[str, str]]] | None:
-        """Round ``r``'s commit of fragment ``k``, its verified parameters and every snapshot
-        it (and any commit skipped to reach it) counted; None when there is none yet."""
-        commit = await self._exchange.commit(r)
+        """Round ``r``'s commit of fragment ``k`` (``known``, or read from the store), its
+        verified parameters and every snapshot it (and any commit skipped to reach it)
+        counted; None when there is none yet."""
+        commit = known or await self._exchange.commit(r)
         if commit is None:
             return None
         if commit.fragment != k or commit.base_round != previous_round(self.algorithm, r):
