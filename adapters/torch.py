@@ -288,8 +288,14 @@ class TorchBackend:
             return
         with torch.no_grad():
             for name, parameter in adapter.tensors(names).items():
+                c = commit[name]
+                if alpha is None and since is not None and _same_f32(parameter, c, since[name]):
+                    # (live - since) + commit, the same two roundings as ``_merged`` (addition
+                    # commutes bit for bit), with no temporaries.
+                    parameter.sub_(since[name]).add_(c)
+                    continue
                 # copy_ rounds to the parameter's dtype in place: optimizers keep their tensor.
-                parameter.copy_(self._merged(parameter, commit[name], since, alpha, name))
+                parameter.copy_(self._merged(parameter, c, since, alpha, name))
 
     def _merged(
         self,
@@ -309,6 +315,12 @@ class TorchBackend:
 
     def _f32(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, torch.float32)
+
+
+def _same_f32(*tensors: torch.Tensor) -> bool:
+    """Whether ``tensors`` are all F32 on one device (merge arithmetic needs no conversion)."""
+    first = tensors[0]
+    return all(t.dtype == torch.float32 and t.device == first.device for t in tensors)
 
 
 def _matching(what: str, *groups: Tensors | None) -> list[str]:

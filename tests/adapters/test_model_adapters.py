@@ -335,6 +335,29 @@ def test_torch_merge_writes_in_place() -> None:
     assert weight.grad is None and weight.requires_grad
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torch_merge_keeps_the_progress_since_the_snapshot_bit_for_bit(dtype: str) -> None:
+    # F32 parameters merge in place, without temporaries; others through F32 and one rounding.
+    # Either way the live values are what the formula gives: commit + (live - since) in F32.
+    torch = pytest.importorskip("torch")
+    from gradientmail.adapters import TorchBackend
+
+    generator = torch.Generator().manual_seed(5)
+    layer = torch.nn.Linear(64, 32).to(getattr(torch, dtype))
+    weight, pointer = layer.weight, layer.weight.data_ptr()
+    since = torch.randn(32, 64, generator=generator) * 1e3
+    commit = torch.randn(32, 64, generator=generator) * 1e-3
+    live = layer.weight.detach().to(torch.float32).clone()
+    expected = (commit + (live - since)).to(weight.dtype)
+    backend = TorchBackend("cpu")
+    adapter = backend.adapter(layer)
+    backend.merge(adapter, {"weight": commit, "bias": layer.bias.detach().float()}, since={
+        "weight": since, "bias": layer.bias.detach().float()}, alpha=None)
+    assert layer.weight is weight and weight.data_ptr() == pointer
+    assert torch.equal(weight.detach(), expected)
+    assert weight.grad is None and weight.requires_grad
+
+
 def test_importing_the_package_imports_no_framework() -> None:
     code = (
         "import sys, gradientmail.adapters as a\n"
