@@ -28,7 +28,7 @@ from gradientmail.core.records import Commit, Manifest, Snapshot
 from gradientmail.core.syncer import previous_round
 from gradientmail.events import Callback, Merged, Published, Rebased, Rejected
 from gradientmail.exchange import Exchange, new_nonce
-from gradientmail.ledger import Ledger
+from gradientmail.ledger import Ledger, OwnSnapshot
 from gradientmail.run import newest_commit, read_fragment
 
 __all__ = ["Learner"]
@@ -260,7 +260,9 @@ class Learner:
             digest=payload_digest(data),
         )
         ours = await self._exchange.publish(snapshot, data, self._compression, payload)
-        self._ledger.published(publish.round)
+        exact = self.algorithm.quantization is None  # the payload holds the delta's F32 bytes
+        own = OwnSnapshot(nonce=job.nonce, digest=snapshot.digest, delta=delta) if exact else None
+        self._ledger.published(publish.round, own if ours else None)
         if self._uploaded is not None:
             self._uploaded()
         if not ours:

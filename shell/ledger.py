@@ -5,9 +5,23 @@ from __future__ import annotations
 
 import threading
 
+import attrs
+
+from gradientmail.adapters.base import Tensors
 from gradientmail.core.records import Commit
 
-__all__ = ["Ledger"]
+__all__ = ["Ledger", "OwnSnapshot"]
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class OwnSnapshot:
+    """This node's snapshot of a round as its learner published it: the record's ``nonce``
+    and payload ``digest``, and the F32 ``delta`` that decoding the payload gives back (an
+    unquantized payload holds exactly its bytes)."""
+
+    nonce: str
+    digest: str
+    delta: Tensors
 
 
 class Ledger:
@@ -16,18 +30,28 @@ class Ledger:
         self._watched: set[int] = set()
         self._commits: dict[int, Commit] = {}
         self._peers: set[str] = set()
+        self._own: dict[int, OwnSnapshot] = {}
 
-    def published(self, r: int) -> None:
-        """This node has a snapshot in round ``r``: its syncer watches the round."""
+    def published(self, r: int, own: OwnSnapshot | None = None) -> None:
+        """This node has a snapshot in round ``r``: its syncer watches the round. ``own``, kept
+        until the round is committed or unwatched, spares its closer decoding the payload."""
         with self._lock:
             if r not in self._commits:
                 self._watched.add(r)
+                if own is not None:
+                    self._own[r] = own
+
+    def own(self, r: int) -> OwnSnapshot | None:
+        """What this node published in round ``r`` while the round is watched (see above)."""
+        with self._lock:
+            return self._own.get(r)
 
     def committed(self, commit: Commit) -> None:
         with self._lock:
             self._commits[commit.round] = commit
             self._peers.update(i.node for i in commit.included)
             self._watched.discard(commit.round)
+            self._own.pop(commit.round, None)
             # Only the previous round of each fragment is consulted; keep a bounded window.
             for old in [r for r in self._commits if r < commit.round - 64]:
                 del self._commits[old]
@@ -48,3 +72,4 @@ class Ledger:
     def unwatch(self, r: int) -> None:
         with self._lock:
             self._watched.discard(r)
+            self._own.pop(r, None)
