@@ -50,13 +50,22 @@ from typing import Literal, TypeAlias, get_args
 
 import attrs
 
-from gradientmail.core.tensors import ITEM_BITS, PayloadDType, Schema, TensorBytes, pack, unpack
+from gradientmail.core.tensors import (
+    ITEM_BITS,
+    PayloadDType,
+    Schema,
+    TensorBytes,
+    pack,
+    pack_parts,
+    unpack,
+)
 
 __all__ = [
     "COMPRESSIONS",
     "ZSTD_PARAMETERS",
     "Compression",
     "compress",
+    "compress_parts",
     "decompress",
     "max_packed_size",
     "plane_count",
@@ -82,9 +91,19 @@ ZSTD_PARAMETERS: Mapping[str, int] = {
 
 def compress(tensors: Mapping[str, TensorBytes], compression: Compression) -> bytes:
     """The payload bytes of ``tensors`` under ``compression``; equal input gives equal bytes."""
+    return b"".join(compress_parts(tensors, compression))
+
+
+def compress_parts(tensors: Mapping[str, TensorBytes], compression: Compression) -> list[bytes]:
+    """``compress``'s payload as parts to be joined (``"off"``: the safetensors header, then
+    each tensor's data, uncopied), so that the envelope is the only copy a writer makes."""
     _check(compression)
     if compression == "off":
-        return pack(tensors)
+        return pack_parts(tensors)
+    return [_compress_zstd(tensors)]
+
+
+def _compress_zstd(tensors: Mapping[str, TensorBytes]) -> bytes:
     zstd = _zstd()
     blob = pack(
         {name: _with_data(t, _shuffle(t.data, plane_count(t.dtype))) for name, t in tensors.items()}

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import TypeAlias
 
 import attrs
 
@@ -37,6 +38,7 @@ __all__ = [
     "HEADER_BYTES",
     "MAGIC",
     "MAX_RECORD_BYTES",
+    "Payload",
     "Sealed",
     "payload_digest",
     "seal",
@@ -64,12 +66,24 @@ class Sealed:
     payload: bytes = attrs.field(repr=lambda p: f"<{len(p)} bytes>")
 
 
-def payload_digest(payload: bytes) -> str:
+Payload: TypeAlias = bytes | Sequence[bytes]
+"""A payload as stored: one bytes object, or parts whose concatenation it is
+(``codecs.compress_parts``), so that sealing copies the data once."""
+
+
+def _parts(payload: Payload) -> Sequence[bytes]:
+    return (payload,) if isinstance(payload, bytes | bytearray | memoryview) else payload
+
+
+def payload_digest(payload: Payload) -> str:
     """SHA-256, as 64 lowercase hex digits, of ``payload`` as stored in the envelope."""
-    return hashlib.sha256(payload).hexdigest()
+    digest = hashlib.sha256()
+    for part in _parts(payload):
+        digest.update(part)
+    return digest.hexdigest()
 
 
-def seal(record: bytes, payload: bytes = b"", *, compression: Compression = "off") -> bytes:
+def seal(record: bytes, payload: Payload = b"", *, compression: Compression = "off") -> bytes:
     """The envelope of ``record`` and ``payload`` (already compressed under ``compression``).
 
     Raises ``ValueError`` for an empty record or one over ``MAX_RECORD_BYTES``, an unknown
@@ -81,14 +95,14 @@ def seal(record: bytes, payload: bytes = b"", *, compression: Compression = "off
         raise ValueError("an envelope needs a non-empty record")
     if len(record) > MAX_RECORD_BYTES:
         raise ValueError(f"record of {len(record)} bytes exceeds {MAX_RECORD_BYTES} bytes")
-    if compression != "off" and not payload:
+    parts = _parts(payload)
+    size = sum(len(part) for part in parts)
+    if compression != "off" and not size:
         raise ValueError(
             f'an empty payload must be sealed with compression "off", not {compression!r}'
         )
-    header = _HEADER.pack(
-        MAGIC, FORMAT_VERSION, CODEC_IDS[compression], 0, len(record), len(payload)
-    )
-    return b"".join((header, record, payload))
+    header = _HEADER.pack(MAGIC, FORMAT_VERSION, CODEC_IDS[compression], 0, len(record), size)
+    return b"".join((header, record, *parts))
 
 
 def unseal(blob: bytes, *, max_record: int = MAX_RECORD_BYTES, key: str | None = None) -> Sealed:

@@ -286,6 +286,15 @@ def validate(schema: Schema, tensors: Mapping[str, TensorBytes], names: Iterable
 def pack(tensors: Mapping[str, TensorBytes]) -> bytes:
     """Serialize to safetensors bytes without metadata; deterministic for equal content.
 
+    The bytes are ``pack_parts``'s, joined.
+    """
+    return b"".join(pack_parts(tensors))
+
+
+def pack_parts(tensors: Mapping[str, TensorBytes]) -> list[bytes]:
+    """The safetensors bytes of ``tensors`` as parts: its length and header, then each tensor's
+    data (not copied), so that a writer joins them once with what precedes them.
+
     The bytes are those ``safetensors.serialize`` writes (the tests hold the two equal): tensors
     in descending dtype order of the safetensors crate, then by name; a compact JSON header
     padded with spaces to a multiple of 8 bytes. Written here because the crate's pointer API
@@ -310,7 +319,7 @@ def pack(tensors: Mapping[str, TensorBytes]) -> bytes:
         offset = end
     header = ("{" + ",".join(entries) + "}").encode("utf-8")
     header += b" " * (-len(header) % 8)
-    return b"".join((len(header).to_bytes(8, "little"), header, *(t.data for _, t in ordered)))
+    return [len(header).to_bytes(8, "little") + header, *(t.data for _, t in ordered)]
 
 
 _PACK_ORDER: tuple[PayloadDType, ...] = ("F32", "BF16", "F16", "F8_E8M0", "F8_E4M3", "F4")

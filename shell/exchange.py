@@ -27,8 +27,8 @@ import attrs
 
 from gradientmail.clock import Clock
 from gradientmail.core import keys
-from gradientmail.core.codecs import Compression, compress, decompress
-from gradientmail.core.envelope import payload_digest, seal, unseal
+from gradientmail.core.codecs import Compression, compress_parts, decompress
+from gradientmail.core.envelope import Payload, payload_digest, seal, unseal
 from gradientmail.core.errors import FormatError
 from gradientmail.core.records import (
     Claim,
@@ -186,7 +186,7 @@ class Exchange:
         self._on_event(Rejected(node=self.node, key=key, reason=reason))
 
     def _seal(
-        self, record: Record, payload: bytes = b"", compression: Compression = "off"
+        self, record: Record, payload: Payload = b"", compression: Compression = "off"
     ) -> bytes:
         return seal(to_bytes(record, self.keyring), payload, compression=compression)
 
@@ -292,7 +292,7 @@ class Exchange:
     async def publish(
         self,
         snapshot: Snapshot,
-        payload: bytes,
+        payload: Payload,
         compression: Compression,
         tensors: Mapping[str, TensorBytes] | None = None,
     ) -> bool:
@@ -335,7 +335,7 @@ class Exchange:
     async def write_payload(
         self, key: str, tensors: Mapping[str, TensorBytes], compression: Compression
     ) -> PayloadRef:
-        payload = compress(tensors, compression)
+        payload = compress_parts(tensors, compression)
         blob = seal(
             canonical({"format": 1, "kind": "payload", "key": key}),
             payload,

@@ -21,7 +21,7 @@ from gradientmail.clock import Bell, nap
 from gradientmail.core import keys
 from gradientmail.core import learner as rules
 from gradientmail.core.algorithm import DiLoCo
-from gradientmail.core.codecs import Compression, compress
+from gradientmail.core.codecs import Compression, compress_parts
 from gradientmail.core.envelope import payload_digest
 from gradientmail.core.errors import FormatError, ProtocolError
 from gradientmail.core.records import Commit, Manifest, Snapshot
@@ -249,7 +249,7 @@ class Learner:
         payload, residual = self._backend.encode(delta, self.algorithm.quantization)
         if self.algorithm.quantization is not None:
             self._residual[k] = residual
-        data = compress(payload, self._compression)
+        data = compress_parts(payload, self._compression)
         snapshot = Snapshot(
             node=self.node,
             nonce=job.nonce,
@@ -281,7 +281,7 @@ class Learner:
                 fragment=k,
                 samples=publish.samples,
                 steps=publish.steps,
-                bytes=len(data),
+                bytes=sum(len(part) for part in data),
             )
         )
 

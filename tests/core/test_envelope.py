@@ -8,7 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradientmail.core.codecs import COMPRESSIONS, Compression, compress, decompress
+from gradientmail.core.codecs import (
+    COMPRESSIONS,
+    Compression,
+    compress,
+    compress_parts,
+    decompress,
+)
 from gradientmail.core.envelope import (
     HEADER_BYTES,
     MAX_RECORD_BYTES,
@@ -67,6 +73,30 @@ def test_envelope_carries_a_real_payload_end_to_end(compression: Compression) ->
     sealed = unseal(seal(b'{"digest":"..."}', payload, compression=compression))
     assert payload_digest(sealed.payload) == payload_digest(payload)
     assert decompress(sealed.payload, sealed.compression, limit=1 << 16) == tensors
+
+
+@given(envelopes(), st.data())
+def test_a_payload_in_parts_seals_and_digests_as_its_concatenation(
+    parts: tuple[bytes, bytes, Compression], data: st.DataObject
+) -> None:
+    record, payload, compression = parts
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(payload)), max_size=4)))
+    pieces = [payload[a:b] for a, b in zip([0, *cuts], [*cuts, len(payload)], strict=True)]
+    assert seal(record, pieces, compression=compression) == seal(
+        record, payload, compression=compression
+    )
+    assert payload_digest(pieces) == payload_digest(payload)
+
+
+@given(st.sampled_from(COMPRESSIONS))
+def test_compressed_parts_are_the_payload(compression: Compression) -> None:
+    tensors = {
+        "w": TensorBytes(dtype="BF16", shape=(3, 2), data=bytes(range(12))),
+        "b": TensorBytes(dtype="F32", shape=(2,), data=bytes(range(8))),
+    }
+    parts = compress_parts(tensors, compression)
+    assert b"".join(parts) == compress(tensors, compression)
+    assert decompress(b"".join(parts), compression, limit=1 << 16) == tensors
 
 
 def check_mutated(parts: tuple[bytes, bytes, Compression], data: st.DataObject) -> None:
@@ -162,6 +192,8 @@ def test_seal_refuses_what_unseal_would_refuse() -> None:
         seal(b"{}", b"x", compression="lz4")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="empty payload must be sealed"):
         seal(b"{}", compression="zstd")
+    with pytest.raises(ValueError, match="empty payload must be sealed"):
+        seal(b"{}", [b"", b""], compression="zstd")
 
 
 def test_payload_digest_is_sha256_hex() -> None:
