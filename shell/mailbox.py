@@ -37,6 +37,9 @@ MAX_SEGMENT_BYTES = 255
 """The longest segment in bytes (NAME_MAX, the longest file name on POSIX filesystems)."""
 
 _SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
+# Every key the protocol writes matches this (ASCII, so characters are bytes): one match
+# clears it, and only a key that fails is taken apart to say why.
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9._-]{1,255}(?:/[A-Za-z0-9._-]{1,255})*")
 _KINDS = ("get", "put", "create", "list", "delete")
 
 
@@ -99,6 +102,13 @@ def is_valid_key(key: str) -> bool:
 
 
 def _key_problem(key: str) -> str | None:
+    if (
+        isinstance(key, str)
+        and len(key) <= MAX_KEY_BYTES
+        and _PLAIN_KEY.fullmatch(key) is not None
+        and ("." not in key or all(s not in (".", "..") for s in key.split("/")))
+    ):
+        return None
     if not isinstance(key, str):
         return f"a key is a str, not {type(key).__name__}"
     if key == "":

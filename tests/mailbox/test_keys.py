@@ -13,6 +13,7 @@ from gradientmail.mailbox import (
     MailboxError,
     RequestStats,
     TransientMailboxError,
+    is_valid_key,
     validate_key,
     validate_prefix,
 )
@@ -38,6 +39,31 @@ def test_a_character_outside_the_charset_is_rejected(
     spoiled = key[:position] + bad + key[position:]
     with pytest.raises(BadKey, match="outside"):
         validate_key(spoiled, store="memory://x", operation="get")
+
+
+def documented_rule(key: str) -> bool:
+    """``validate_key``'s documented rule, spelled out independently of its code."""
+    segments = key.split("/")
+    return (
+        0 < len(key.encode()) <= 1024
+        and all(s not in ("", ".", "..") for s in segments)
+        and all(set(s) <= set(CHARSET) and len(s.encode()) <= 255 for s in segments)
+    )
+
+
+@given(
+    st.one_of(
+        st.text(CHARSET + "/.é\x00 ", max_size=24),
+        st.lists(st.sampled_from(["", ".", "..", "a", "k" * 255, "k" * 256, "é"]), max_size=6).map(
+            "/".join
+        ),
+    )
+)
+def test_a_key_is_valid_exactly_when_the_documented_rule_says(key: str) -> None:
+    assert is_valid_key(key) == documented_rule(key)
+    if not documented_rule(key):
+        with pytest.raises(BadKey):
+            validate_key(key)
 
 
 @pytest.mark.parametrize("key", BAD_KEYS)
