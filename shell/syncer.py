@@ -349,7 +349,8 @@ class Syncer:
             await self._exchange.delete(state_ref.key)
             return None
         self._keep(commit, master, momentum, schema)
-        await self._exchange.put_head(k, r)
+        if rules.writes_head(self._algorithm, r):
+            await self._exchange.put_head(k, r)
         # Superseded by ours: this node reads the new payloads from now on.
         before = self._ledger.commit(commit.base_round)
         if before is not None:

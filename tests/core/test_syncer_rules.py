@@ -429,6 +429,17 @@ def test_collectable_refuses_to_keep_nothing(keep: int) -> None:
         rules.collectable(DiLoCo(inner_steps=12, fragments=2), 10, keep=keep)
 
 
+@given(st.integers(1, 8), st.integers(0, 7), st.integers(0, 50))
+def test_every_fragment_writes_its_head_at_its_first_commit_and_every_fourth(
+    fragments: int, k: int, start: int
+) -> None:
+    a = DiLoCo(inner_steps=16, fragments=fragments)
+    k %= fragments
+    assert rules.writes_head(a, k)  # the fragment's first commit
+    run = [k + fragments * (start + i) for i in range(rules.HEAD_EVERY)]
+    assert sum(rules.writes_head(a, r) for r in run) == 1  # any HEAD_EVERY in a row: one
+
+
 def test_a_watch_of_another_round_is_refused() -> None:
     ls = leases(["a", "b"])
     with pytest.raises(ValueError, match="round"):
