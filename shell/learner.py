@@ -333,7 +333,11 @@ class Learner:
             reason = f"commit names fragment {commit.fragment}, base {commit.base_round}"
             raise FormatError(reason, key=keys.commit(r))
         counted = frozenset((i.node, i.nonce) for i in commit.included)
-        tensors = await self._load(commit)
+        # A commit this node wrote comes with its parameters as tensors: what loading them
+        # from its payload would give.
+        tensors = self._ledger.take_params(commit)
+        if tensors is None:
+            tensors = await self._load(commit)
         if tensors is None:
             # Collected before we read it: we are far behind. Jump to the newest commit,
             # remembering what this one counted (commit records are never deleted).

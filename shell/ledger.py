@@ -31,6 +31,7 @@ class Ledger:
         self._commits: dict[int, Commit] = {}
         self._peers: set[str] = set()
         self._own: dict[int, OwnSnapshot] = {}
+        self._params: dict[int, tuple[str, Tensors]] = {}  # round -> (commit nonce, params)
 
     def published(self, r: int, own: OwnSnapshot | None = None) -> None:
         """This node has a snapshot in round ``r``: its syncer watches the round. ``own``, kept
@@ -46,15 +47,31 @@ class Ledger:
         with self._lock:
             return self._own.get(r)
 
-    def committed(self, commit: Commit) -> None:
+    def committed(self, commit: Commit, params: Tensors | None = None) -> None:
+        """Round ``commit.round`` is committed. ``params``, from the node that wrote the
+        commit, are its parameters as the backend's tensors: what loading its ``params``
+        payload would give, handed once to the learner (``take_params``)."""
         with self._lock:
             self._commits[commit.round] = commit
+            if params is not None:
+                self._params[commit.round] = (commit.nonce, params)
             self._peers.update(i.node for i in commit.included)
             self._watched.discard(commit.round)
             self._own.pop(commit.round, None)
             # Only the previous round of each fragment is consulted; keep a bounded window.
             for old in [r for r in self._commits if r < commit.round - 64]:
                 del self._commits[old]
+                self._params.pop(old, None)
+
+    def take_params(self, commit: Commit) -> Tensors | None:
+        """The parameters this node's syncer handed over with ``commit`` (same round and
+        nonce), once; None when it handed none."""
+        with self._lock:
+            held = self._params.get(commit.round)
+            if held is None or held[0] != commit.nonce:
+                return None
+            del self._params[commit.round]
+            return held[1]
 
     def commit(self, r: int) -> Commit | None:
         with self._lock:

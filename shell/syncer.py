@@ -251,14 +251,15 @@ class Syncer:
         self._on_event(event(node=self.node, round=r, attempt=attempt))
         started = _wall.monotonic()
         try:
-            commit = await self._commit(r, attempt)
+            made = await self._commit(r, attempt)
         except FormatError as exc:  # e.g. a payload key taken: report, and look again later
             self._exchange.reject(getattr(exc, "key", None) or keys.round_prefix(r), str(exc))
-            commit = None
-        if commit is None:
+            made = None
+        if made is None:
             await self._committed_meanwhile(r)
             return
-        self._ledger.committed(commit)
+        commit, params = made
+        self._ledger.committed(commit, params)
         self._forget(r)
         if self._committed is not None:
             self._committed()
@@ -286,7 +287,9 @@ class Syncer:
             self._ledger.committed(commit)
             self._forget(r)
 
-    async def _commit(self, r: int, attempt: int) -> Commit | None:
+    async def _commit(self, r: int, attempt: int) -> tuple[Commit, Tensors] | None:
+        """Close round ``r``: the commit written, with its parameters as tensors, or None
+        when there was nothing to include or another attempt committed first."""
         k = r % self._algorithm.fragments
         schema = self._manifest.fragment_schema(k)
         snapshots, deltas = await self._read_snapshots(r, schema)
@@ -324,7 +327,8 @@ class Syncer:
             nesterov=self._algorithm.nesterov,
         )
         nonce = new_nonce()
-        params = self._backend.dump(self._backend.cast(master, schema))
+        cast = self._backend.cast(master, schema)
+        params = self._backend.dump(cast)
         state = outer_state(self._backend, schema, master, momentum)
         params_ref = await self._exchange.write_payload(
             keys.params(r, nonce), params, self._compression
@@ -358,7 +362,7 @@ class Syncer:
         elif commit.base_round < 0:
             self._exchange.forget_written(self._manifest.init[k].key)
         await self._collect(r)
-        return commit
+        return commit, cast
 
     def _exclude(self, r: int, node: str, reason: str) -> None:
         key = keys.snapshot(r, node)

@@ -7,9 +7,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from virtual_run import assert_chains, committed_rounds, run_nodes  # noqa: E402
+from virtual_run import (  # noqa: E402
+    assert_chains,
+    committed_rounds,
+    make_model,
+    parameters,
+    run_nodes,
+)
 
-from gradientmail import DiLoCo  # noqa: E402
+from gradientmail import DiLoCo, align  # noqa: E402
 from gradientmail.adapters.torch import TorchBackend  # noqa: E402
 from gradientmail.events import Merged  # noqa: E402
 from gradientmail.testing.audit import audit  # noqa: E402
@@ -49,9 +55,14 @@ def test_a_lone_closer_steps_from_the_outer_state_it_kept_as_the_store_holds_it(
     # the master and momentum it kept in memory; the audit recomputes every round from the
     # store's payloads alone and must find the very same bits.
     algorithm = DiLoCo(inner_steps=10, fragments=2, overlap_steps=None, grace=0.0)
-    mailbox, events, _, _ = run_nodes(algorithm, nodes=1, steps=60)
+    mailbox, events, models, _ = run_nodes(algorithm, nodes=1, steps=60)
     rounds = committed_rounds(events)
     assert_chains(rounds, algorithm.fragments)
     assert len(rounds) >= 10
     report = audit(mailbox, backend=TorchBackend())
     assert report.recomputed == len(rounds)  # audit raises on any that differ
+    # It merged its own commits from the tensors its closer handed over, not from the store:
+    # after close its model holds exactly the run's final parameters as stored.
+    fresh = make_model(seed=1)
+    assert align(fresh, mailbox=mailbox) == rounds[-1]
+    assert parameters([fresh]) == parameters(models)
