@@ -98,15 +98,15 @@ class DirectoryMailbox:
         self.stats.count("get", bytes_in=0 if data is None else len(data))
         return data
 
-    async def put(self, key: str, data: bytes) -> None:
+    async def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
         path = self._path(key, "put")
         self.stats.count("put", bytes_out=len(data))
-        await self._run("put", key, self._replace, path, data)
+        await self._run("put", key, self._replace, path, data, self._fsync and durable)
 
-    async def create(self, key: str, data: bytes) -> bool:
+    async def create(self, key: str, data: bytes, *, durable: bool = True) -> bool:
         path = self._path(key, "create")
         self.stats.count("create", bytes_out=len(data))
-        return await self._run("create", key, self._link, path, data)
+        return await self._run("create", key, self._link, path, data, self._fsync and durable)
 
     async def delete(self, key: str) -> None:
         path = self._path(key, "delete")
@@ -142,9 +142,9 @@ class DirectoryMailbox:
             kind = TransientMailboxError if error.errno in _TRANSIENT_ERRNOS else MailboxError
             raise kind(str(error), store=self.url, key=key, operation=operation) from error
 
-    def _link(self, path: str, data: bytes) -> bool:
+    def _link(self, path: str, data: bytes, fsync: bool) -> bool:
         directory = os.path.dirname(path)
-        temp = self._write_temporary(directory, data)
+        temp = self._write_temporary(directory, data, fsync)
         try:
             os.link(temp, path)
         except FileExistsError:
@@ -153,19 +153,21 @@ class DirectoryMailbox:
             return False
         finally:
             _remove(temp)
-        self._sync_directory(directory)
+        if fsync:
+            _sync_directory(directory)
         return True
 
-    def _replace(self, path: str, data: bytes) -> None:
+    def _replace(self, path: str, data: bytes, fsync: bool) -> None:
         directory = os.path.dirname(path)
-        temp = self._write_temporary(directory, data)
+        temp = self._write_temporary(directory, data, fsync)
         try:
             os.replace(temp, path)
         except IsADirectoryError:
             raise _KeyConflict(f"{path} is a directory of other keys") from None
         finally:
             _remove(temp)
-        self._sync_directory(directory)
+        if fsync:
+            _sync_directory(directory)
 
     def _unlink(self, path: str) -> None:
         try:
@@ -181,8 +183,8 @@ class DirectoryMailbox:
                 return
             directory = os.path.dirname(directory)
 
-    def _write_temporary(self, directory: str, data: bytes) -> str:
-        """A fully written (and fsynced) temporary file in ``directory``."""
+    def _write_temporary(self, directory: str, data: bytes, fsync: bool) -> str:
+        """A fully written (and, with ``fsync``, fsynced) temporary file in ``directory``."""
         for _ in range(_DIRECTORY_ATTEMPTS):
             temp = f"{directory}/{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
             try:
@@ -201,23 +203,13 @@ class DirectoryMailbox:
                 with os.fdopen(descriptor, "wb") as file:
                     file.write(data)
                     file.flush()
-                    if self._fsync:
+                    if fsync:
                         os.fsync(file.fileno())
             except BaseException:
                 _remove(temp)
                 raise
             return temp
         raise OSError(errno.EBUSY, f"{directory} kept disappearing under concurrent deletes")
-
-    def _sync_directory(self, directory: str) -> None:
-        # The new name is durable only once its directory is (POSIX fsync(2)).
-        if not self._fsync:
-            return
-        descriptor = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
 
     def _walk(self, prefix: str, after: str | None) -> _Listing:
         base = prefix.rpartition("/")[0]
@@ -238,6 +230,15 @@ class DirectoryMailbox:
                         infos.append(info)
         infos.sort(key=lambda info: info.key)
         return infos
+
+
+def _sync_directory(directory: str) -> None:
+    # The new name is durable only once its directory is (POSIX fsync(2)).
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def _remove(path: str) -> None:

@@ -142,18 +142,18 @@ class Exchange:
     async def get(self, key: str) -> bytes | None:
         return await self._retry("get", key, lambda: self.mailbox.get(key))
 
-    async def put(self, key: str, data: bytes) -> None:
-        await self._retry("put", key, lambda: self.mailbox.put(key, data))
+    async def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
+        await self._retry("put", key, lambda: self.mailbox.put(key, data, durable=durable))
 
-    async def create(self, key: str, data: bytes) -> bool:
+    async def create(self, key: str, data: bytes, *, durable: bool = True) -> bool:
         """Create ``key``; True when the object there is ours, even if a retry saw the key
-        taken by our own first, unacknowledged write."""
+        taken by our own first, unacknowledged write. ``durable`` as ``Mailbox.create``."""
         retried = False
 
         async def attempt() -> bool:
             nonlocal retried
             try:
-                return await self.mailbox.create(key, data)
+                return await self.mailbox.create(key, data, durable=durable)
             except TransientMailboxError:
                 retried = True
                 raise
@@ -269,7 +269,10 @@ class Exchange:
         return claim
 
     async def claim(self, claim: Claim) -> bool:
-        return await self.create(keys.claim(claim.round, claim.attempt), self._seal(claim))
+        # Not durable (docs/decisions.md, "What must survive a crash"): a claim lost
+        # with the machine only costs duplicate work.
+        key = keys.claim(claim.round, claim.attempt)
+        return await self.create(key, self._seal(claim), durable=False)
 
     async def reporters(self, r: int) -> list[str]:
         """Nodes with a snapshot under round ``r`` (key names only: one LIST)."""
@@ -302,7 +305,9 @@ class Exchange:
         returns them without verifying and parsing the bytes again."""
         key = keys.snapshot(snapshot.round, snapshot.node)
         blob = self._seal(snapshot, payload, compression)
-        created = await self.create(key, blob)
+        # Not durable (docs/decisions.md, "What must survive a crash"): a snapshot
+        # lost with the machine is a round missed by its node, which crashed with it.
+        created = await self.create(key, blob, durable=False)
         if created and tensors is not None:
             self._remember(key, tensors, blob=blob, record=snapshot)
         return created
@@ -423,7 +428,9 @@ class Exchange:
     # -- leases and hints -------------------------------------------------------------
 
     async def put_lease(self, lease: Lease) -> None:
-        await self.put(keys.lease(lease.node), self._seal(lease))
+        # Not durable (docs/decisions.md, "What must survive a crash"): a lease lost
+        # with the machine was its crashed node's.
+        await self.put(keys.lease(lease.node), self._seal(lease), durable=False)
 
     async def lease(self, node: str) -> Lease | None:
         return await self._record(keys.lease(node), Lease)
@@ -459,4 +466,6 @@ class Exchange:
         return value if value >= 0 else None
 
     async def put_head(self, fragment: int, r: int) -> None:
-        await self.put(keys.head(fragment), str(r).encode("ascii"))
+        # Not durable (docs/decisions.md, "What must survive a crash"): a hint, and an
+        # unreadable one is ignored.
+        await self.put(keys.head(fragment), str(r).encode("ascii"), durable=False)

@@ -201,15 +201,23 @@ class Mailbox(Protocol):
         """The object's bytes, or None if there is no object at ``key``. Never partial."""
         ...
 
-    async def put(self, key: str, data: bytes) -> None:
-        """Write ``data`` at ``key``, replacing any object; readers see the old or the new."""
+    async def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
+        """Write ``data`` at ``key``, replacing any object; readers see the old or the new.
+
+        ``durable=False``: the caller can do without the object should the machine holding the
+        store crash (see ``create``)."""
         ...
 
-    async def create(self, key: str, data: bytes) -> bool:
+    async def create(self, key: str, data: bytes, *, durable: bool = True) -> bool:
         """Write ``data`` at ``key`` only if absent: True if this call wrote it, else False.
 
         ``data`` must be unique to the writer (embed a nonce): an ambiguous outcome (timeout,
         retried request, conflict) is resolved by reading the object back and comparing bytes.
+
+        ``durable=False`` asks for no more than atomic visibility: readers still see all of
+        ``data`` or nothing, but after a crash of the machine holding the store (power loss,
+        kernel panic; not a crash of the writing process) the object may be missing, empty or
+        cut short. A store that is durable anyway ignores it; a directory skips its fsyncs.
         """
         ...
 

@@ -153,11 +153,11 @@ class MemoryMailbox:
         self.stats.count("get", bytes_in=0 if data is None else len(data))
         return data
 
-    async def put(self, key: str, data: bytes) -> None:
+    async def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
         validate_key(key, store=self.url, operation="put")
         await self._write("put", key, data, lambda: self._store_entry(key, data, replace=True))
 
-    async def create(self, key: str, data: bytes) -> bool:
+    async def create(self, key: str, data: bytes, *, durable: bool = True) -> bool:
         validate_key(key, store=self.url, operation="create")
         return await self._write(
             "create", key, data, lambda: self._store_entry(key, data, replace=False)

@@ -154,11 +154,11 @@ class ObjectStoreMailbox:
         validate_key(key, store=self.url, operation="get")
         return await self._retry("get", key, lambda: self._get(key))
 
-    async def put(self, key: str, data: bytes) -> None:
+    async def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
         validate_key(key, store=self.url, operation="put")
         await self._retry("put", key, lambda: self._put(key, data))
 
-    async def create(self, key: str, data: bytes) -> bool:
+    async def create(self, key: str, data: bytes, *, durable: bool = True) -> bool:
         validate_key(key, store=self.url, operation="create")
         return await self._retry("create", key, lambda: self._create(key, data))
 

@@ -127,6 +127,28 @@ def _check_create(context: _Context) -> None:
     _run(context, other_handle)
 
 
+def _check_not_durable(context: _Context) -> None:
+    # ``durable=False`` relaxes only what survives a crash of the store's machine: while it
+    # runs, such writes are atomic, create-only and overwritten exactly like the others.
+    key, hint = context.key("volatile/claim"), context.key("volatile/hint")
+
+    async def first(mailbox: Mailbox) -> None:
+        assert await mailbox.create(key, b"mine", durable=False) is True
+        assert await mailbox.create(key, b"theirs", durable=False) is False
+        assert await mailbox.create(key, b"durable", durable=True) is False
+        await mailbox.put(hint, b"1", durable=False)
+        await mailbox.put(hint, b"22", durable=False)
+
+    async def other_handle(mailbox: Mailbox) -> None:
+        assert await mailbox.get(key) == b"mine", "a non-durable create is read like any"
+        assert await mailbox.get(hint) == b"22", "a non-durable put overwrites like any"
+        infos = await mailbox.list(context.key("volatile/"))
+        assert [(i.key, i.size) for i in infos] == [(key, 4), (hint, 2)], infos
+
+    _run(context, first)
+    _run(context, other_handle)
+
+
 def _check_put(context: _Context) -> None:
     key, owned = context.key("lease"), context.key("owned")
 
@@ -350,6 +372,7 @@ _CHECKS: tuple[Callable[[_Context], None], ...] = (
     _check_protocol,
     _check_missing,
     _check_create,
+    _check_not_durable,
     _check_put,
     _check_list,
     _check_create_race,

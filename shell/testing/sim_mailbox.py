@@ -149,10 +149,10 @@ class SimMailbox:
         await self._travel()
         return infos
 
-    async def put(self, key: str, data: bytes) -> None:
+    async def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
         await self._write("put", key, data)
 
-    async def create(self, key: str, data: bytes) -> bool:
+    async def create(self, key: str, data: bytes, *, durable: bool = True) -> bool:
         if self._overwrite_commits and key.endswith("/commit"):
             await self._write("put", key, data)  # the planted bug: a commit that overwrites
             return True

@@ -47,17 +47,17 @@ class HostileMailbox:
         self.fetched.append(key)
         return await self.inner.get(key)
 
-    async def put(self, key: str, data: bytes) -> None:
-        await self.inner.put(key, data)
+    async def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
+        await self.inner.put(key, data, durable=durable)
 
-    async def create(self, key: str, data: bytes) -> bool:
+    async def create(self, key: str, data: bytes, *, durable: bool = True) -> bool:
         match = _SNAPSHOT.match(key)
         if match is not None:
             r = int(match.group(1))
             if r not in self._rounds:
                 self._rounds.add(r)
                 await self._attack(r)
-        created = await self.inner.create(key, data)
+        created = await self.inner.create(key, data, durable=durable)
         if created and (match is not None or _CLAIM.match(key)):
             self.genuine[key] = data
         return created

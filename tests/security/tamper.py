@@ -52,15 +52,15 @@ class TamperingMailbox:
                 return transform(data)
         return data
 
-    async def put(self, key: str, data: bytes) -> None:
-        await self.inner.put(key, data)
+    async def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
+        await self.inner.put(key, data, durable=durable)
 
-    async def create(self, key: str, data: bytes) -> bool:
+    async def create(self, key: str, data: bytes, *, durable: bool = True) -> bool:
         transform = self.on_create.pop(key, None)
         if transform is not None:
             self.tampered.append(key)
             data = transform(data)
-        created = await self.inner.create(key, data)
+        created = await self.inner.create(key, data, durable=durable)
         plant = self.after_create.pop(key, None)
         if created and plant is not None:
             for other, blob in plant(data).items():

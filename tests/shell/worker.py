@@ -134,15 +134,15 @@ class SlowCommits:
     async def get(self, key: str) -> bytes | None:
         return await self._inner.get(key)
 
-    async def put(self, key: str, data: bytes) -> None:
-        await self._inner.put(key, data)
+    async def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
+        await self._inner.put(key, data, durable=durable)
 
-    async def create(self, key: str, data: bytes) -> bool:
+    async def create(self, key: str, data: bytes, *, durable: bool = True) -> bool:
         if key.endswith("/commit"):
             import asyncio
 
             await asyncio.sleep(self._delay)
-        return await self._inner.create(key, data)
+        return await self._inner.create(key, data, durable=durable)
 
     async def list(self, prefix: str, *, after: str | None = None) -> list[ObjectInfo]:
         return await self._inner.list(prefix, after=after)
