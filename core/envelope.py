@@ -72,7 +72,7 @@ Payload: TypeAlias = bytes | Sequence[bytes]
 
 
 def _parts(payload: Payload) -> Sequence[bytes]:
-    return (payload,) if isinstance(payload, bytes | bytearray | memoryview) else payload
+    return (payload,) if isinstance(payload, bytes) else payload
 
 
 def payload_digest(payload: Payload) -> str:

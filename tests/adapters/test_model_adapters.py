@@ -351,8 +351,12 @@ def test_torch_merge_keeps_the_progress_since_the_snapshot_bit_for_bit(dtype: st
     expected = (commit + (live - since)).to(weight.dtype)
     backend = TorchBackend("cpu")
     adapter = backend.adapter(layer)
-    backend.merge(adapter, {"weight": commit, "bias": layer.bias.detach().float()}, since={
-        "weight": since, "bias": layer.bias.detach().float()}, alpha=None)
+    backend.merge(
+        adapter,
+        {"weight": commit, "bias": layer.bias.detach().float()},
+        since={"weight": since, "bias": layer.bias.detach().float()},
+        alpha=None,
+    )
     assert layer.weight is weight and weight.data_ptr() == pointer
     assert torch.equal(weight.detach(), expected)
     assert weight.grad is None and weight.requires_grad
