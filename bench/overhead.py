@@ -20,19 +20,29 @@ The bench also reports the CPU the Session's threads use per round, and runs at 
 from training; with a core to spare (as beside a GPU), it mostly is not. ``--control`` runs the
 same pairs with both halves plain, to show the method's resolution.
 
+It also reports the training time lost per closed round (the treated halves' time less the plain
+halves', over the rounds closed): that figure does not depend on H, so a run at a smaller H
+(``--inner-steps 20 --overlap 4``: a round every 5 steps instead of every 12.5) measures the
+same per-round cost against 2.5 times less noise, and dividing it by a round's time at H=50
+gives the cost there. ``--save FILE`` writes a sitting's pairs as JSON; ``--pool FILE ...``
+reports sittings together (pairs are self-contained, so sittings pool by summing).
+
     python bench/overhead.py [--pairs 30] [--threads 2,1] [--control] [--inner-steps 50]
                              [--fragments 4] [--overlap 10] [--poll-interval 1.0]
+                             [--save FILE]
+    python bench/overhead.py --pool FILE [FILE ...] [--at-inner-steps 50]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -44,7 +54,7 @@ from gradientmail.demo.corpus import batches, load_corpus
 from gradientmail.demo.model import TorchTrainer
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class Pairs:
     """Seconds of each pair's two halves, and what the Session did meanwhile."""
 
@@ -57,21 +67,83 @@ class Pairs:
     @property
     def cost(self) -> float:
         """Fraction of throughput the treated half loses: 1 - plain time / treated time."""
-        return 1 - sum(self.plain) / sum(self.session)
+        return _cost(self.session, self.plain)
 
-    def interval(self, level: float = 0.9, resamples: int = 2000) -> tuple[float, float]:
-        """A bootstrap interval of ``cost`` over pairs (resampled with replacement)."""
+    @property
+    def lost_per_round(self) -> float:
+        """Seconds of training the treated halves lost per closed round (0 without rounds)."""
+        return (sum(self.session) - sum(self.plain)) / self.rounds if self.rounds else 0.0
+
+    def cost_at(self, steps_per_round: float) -> Callable[[Halves, Halves], float]:
+        """The cost this sitting's loss per round would be against rounds of
+        ``steps_per_round`` plain steps (a bootstrap statistic of the halves)."""
+        rounds_per_pair = self.rounds / len(self.plain)
+        steps_per_pair = self.steps / len(self.plain)
+
+        def cost(session: Halves, plain: Halves) -> float:
+            lost = (sum(session) - sum(plain)) / (rounds_per_pair * len(plain))
+            round_time = steps_per_round * sum(plain) / (steps_per_pair * len(plain))
+            return lost / (lost + round_time)
+
+        return cost
+
+    def interval(
+        self,
+        statistic: Callable[[Halves, Halves], float] | None = None,
+        *,
+        level: float = 0.9,
+        resamples: int = 2000,
+    ) -> tuple[float, float]:
+        """A bootstrap interval of ``statistic`` (``cost`` by default) over pairs."""
+        statistic = statistic or _cost
         rng = random.Random(0)
         n = len(self.plain)
-        costs = []
+        values = []
         for _ in range(resamples):
             picks = [rng.randrange(n) for _ in range(n)]
-            costs.append(
-                1 - sum(self.plain[i] for i in picks) / sum(self.session[i] for i in picks)
+            values.append(
+                statistic([self.session[i] for i in picks], [self.plain[i] for i in picks])
             )
-        costs.sort()
+        values.sort()
         tail = (1 - level) / 2
-        return costs[int(tail * resamples)], costs[int((1 - tail) * resamples) - 1]
+        return values[int(tail * resamples)], values[int((1 - tail) * resamples) - 1]
+
+    @classmethod
+    def pooled(cls, sittings: Sequence[Pairs]) -> Pairs:
+        """Sittings taken together: every pair of each, their steps, rounds and CPU summed."""
+        return cls(
+            session=tuple(t for p in sittings for t in p.session),
+            plain=tuple(t for p in sittings for t in p.plain),
+            steps=sum(p.steps for p in sittings),
+            rounds=sum(p.rounds for p in sittings),
+            comm_cpu=sum(p.comm_cpu for p in sittings),
+        )
+
+
+Halves = Sequence[float]
+
+
+def _cost(session: Halves, plain: Halves) -> float:
+    return 1 - sum(plain) / sum(session)
+
+
+def save(path: str, setting: dict[str, object], result: Pairs) -> None:
+    """Write a sitting's setting and pairs as JSON, for ``--pool``."""
+    with open(path, "w") as file:
+        json.dump({"setting": setting, "pairs": attrs.asdict(result)}, file)
+
+
+def load(path: str) -> tuple[dict[str, object], Pairs]:
+    with open(path) as file:
+        data = json.load(file)
+    pairs = data["pairs"]
+    return data["setting"], Pairs(
+        session=tuple(pairs["session"]),
+        plain=tuple(pairs["plain"]),
+        steps=pairs["steps"],
+        rounds=pairs["rounds"],
+        comm_cpu=pairs["comm_cpu"],
+    )
 
 
 def session_threads_cpu() -> float:
@@ -149,15 +221,56 @@ def measure(algorithm: DiLoCo, pairs: int, poll_interval: float, *, control: boo
     )
 
 
-def report(threads: int, name: str, result: Pairs) -> str:
+HEADER = (
+    "| torch threads | treated half | plain steps/s | treated steps/s | cost | 90% interval | "
+    "pairs | training lost per round | Session threads' CPU per round |\n"
+    "|---:|---|---:|---:|---:|---|---:|---:|---:|"
+)
+
+
+def report(threads: object, name: str, result: Pairs) -> str:
     low, high = result.interval()
     plain = result.steps / sum(result.plain)
     treated = result.steps / sum(result.session)
-    per_round = 1000 * result.comm_cpu / max(1, result.rounds)
-    cpu = f"{per_round:.1f} ms" if result.rounds else "-"
+    lost = f"{1000 * result.lost_per_round:.1f} ms" if result.rounds else "-"
+    cpu = f"{1000 * result.comm_cpu / result.rounds:.1f} ms" if result.rounds else "-"
     return (
         f"| {threads} | {name} | {plain:.2f} | {treated:.2f} | {100 * result.cost:+.2f}% | "
-        f"[{100 * low:+.2f}%, {100 * high:+.2f}%] | {len(result.plain)} | {cpu} |"
+        f"[{100 * low:+.2f}%, {100 * high:+.2f}%] | {len(result.plain)} | {lost} | {cpu} |"
+    )
+
+
+def pool(paths: Sequence[str], at_inner_steps: int) -> None:
+    """Report saved sittings of one setting together, and their loss per round against
+    rounds of ``at_inner_steps``."""
+    loaded = [load(path) for path in paths]
+    setting = loaded[0][0]
+    for path, (other, _) in zip(paths[1:], loaded[1:], strict=True):
+        differ = sorted(k for k in setting.keys() | other.keys() if setting.get(k) != other.get(k))
+        if differ:
+            raise SystemExit(
+                f"--pool: the sittings' settings differ: {path} has "
+                + ", ".join(f"{k}={other.get(k)!r}" for k in differ)
+                + f" where {paths[0]} has "
+                + ", ".join(f"{k}={setting.get(k)!r}" for k in differ)
+            )
+    result = Pairs.pooled([pairs for _, pairs in loaded])
+    name = "plain (control)" if setting["control"] else "Session"
+    print(f"Pooled: {len(paths)} sittings of {setting}")
+    print(HEADER)
+    print(report(setting["threads"], name, result))
+    if not result.rounds:
+        return
+    fragments = setting["fragments"]
+    assert isinstance(fragments, int)
+    steps_per_round = at_inner_steps / fragments
+    statistic = result.cost_at(steps_per_round)
+    low, high = result.interval(statistic)
+    value = statistic(result.session, result.plain)
+    print(
+        f"\nAt H={at_inner_steps} (a round every {steps_per_round:g} plain steps) that loss "
+        f"per round costs {100 * value:+.2f}% [{100 * low:+.2f}%, {100 * high:+.2f}%] "
+        "(target < 2%)"
     )
 
 
@@ -174,18 +287,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--fragments", type=int, default=4)
     parser.add_argument("--overlap", type=int, default=10, help="overlap_steps (tau)")
     parser.add_argument("--poll-interval", type=float, default=1.0, help="seconds")
+    parser.add_argument(
+        "--save", metavar="PREFIX", help="write each run's pairs to PREFIX-<threads>-<half>.json"
+    )
+    parser.add_argument("--pool", nargs="+", metavar="FILE", help="report saved sittings")
+    parser.add_argument(
+        "--at-inner-steps", type=int, default=50, help="with --pool: the H to state the cost at"
+    )
     args = parser.parse_args(argv)
+    if args.pool:
+        pool(args.pool, args.at_inner_steps)
+        return
     torch.manual_seed(0)
     algorithm = DiLoCo(
         inner_steps=args.inner_steps, fragments=args.fragments, overlap_steps=args.overlap
     )
     setting = f"H={args.inner_steps}, K={args.fragments}, tau={args.overlap}"
     print(f"Session: {setting}, one node, {args.poll_interval} s polls; target: cost < 2%")
-    print(
-        "| torch threads | treated half | plain steps/s | treated steps/s | cost | "
-        "90% interval | pairs | Session threads' CPU per round |"
-    )
-    print("|---:|---|---:|---:|---:|---|---:|---:|")
+    print(HEADER)
     costs = []
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
@@ -193,6 +312,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         for name, control in runs:
             result = measure(algorithm, args.pairs, args.poll_interval, control=control)
             print(report(threads, name, result), flush=True)
+            if args.save:
+                half = "control" if control else "session"
+                described = {
+                    "inner_steps": args.inner_steps,
+                    "fragments": args.fragments,
+                    "overlap": args.overlap,
+                    "poll_interval": args.poll_interval,
+                    "threads": threads,
+                    "control": control,
+                }
+                save(f"{args.save}-{threads}-{half}.json", described, result)
             if not control:
                 costs.append(f"{threads} torch threads: {100 * result.cost:+.2f}%")
     print()
