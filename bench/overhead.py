@@ -24,12 +24,12 @@ It also reports the training time lost per closed round (the treated halves' tim
 halves', over the rounds closed): that figure does not depend on H, so a run at a smaller H
 (``--inner-steps 20 --overlap 4``: a round every 5 steps instead of every 12.5) measures the
 same per-round cost against 2.5 times less noise, and dividing it by a round's time at H=50
-gives the cost there. ``--save FILE`` writes a sitting's pairs as JSON; ``--pool FILE ...``
+gives the cost there. ``--save PREFIX`` writes each sitting's pairs as JSON; ``--pool FILE ...``
 reports sittings together (pairs are self-contained, so sittings pool by summing).
 
     python bench/overhead.py [--pairs 30] [--threads 2,1] [--control] [--inner-steps 50]
                              [--fragments 4] [--overlap 10] [--poll-interval 1.0]
-                             [--save FILE]
+                             [--save PREFIX]
     python bench/overhead.py --pool FILE [FILE ...] [--at-inner-steps 50]
 """
 
