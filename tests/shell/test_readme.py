@@ -33,7 +33,6 @@ class MyModel(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
         self.weight = torch.nn.Parameter(torch.zeros(4))
 
     def forward(self, batch: torch.Tensor) -> Output:
@@ -44,7 +43,8 @@ class MyModel(torch.nn.Module):
 def run_example(url: str) -> dict[str, Any]:
     code = example()
     assert URL in code, "the README's example names the URL this test replaces"
-    batches = [torch.rand(8, 4) for _ in range(30)]
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.rand(8, 4, generator=generator) for _ in range(30)]
     namespace: dict[str, Any] = {"MyModel": MyModel, "batches": batches, "eval_model": MyModel()}
     exec(compile(code.replace(URL, url), str(README), "exec"), namespace)
     return namespace
