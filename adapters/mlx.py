@@ -1,13 +1,14 @@
 """MLX: the adapter of an ``mlx.nn.Module`` and the backend doing a node's tensor work.
 
 MLX arrays are immutable: the adapter writes with ``Module.update``, keeping the parameter
-tree's paths, and a capture is a reference to the current arrays. The quantized formats are
-those of the ``formats`` module, computed with MLX ops to the same bytes as torch's backend.
+tree's paths, and a capture is a reference to the current arrays. What the protocol computes,
+and in which order, is ``arrays.ArrayBackend``'s, shared with torch so that a payload is the
+same bytes whichever framework wrote it; this module supplies MLX's primitives and evaluates
+every array it returns.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -16,19 +17,15 @@ import mlx.nn
 import mlx.utils
 import numpy as np
 
-from gradientmail.adapters import formats
-from gradientmail.adapters.base import Adapter, Tensors
-from gradientmail.core.errors import NonFinite
+from gradientmail.adapters.arrays import ArrayBackend, plain_bytes
+from gradientmail.adapters.base import Tensors
 from gradientmail.core.tensors import (
-    F4_BLOCK,
     DType,
     ParameterSpec,
     PayloadDType,
-    Quantized,
     Schema,
     SchemaMismatch,
     TensorBytes,
-    scale_name,
     validate,
 )
 
@@ -96,7 +93,7 @@ class MLXAdapter:
         self.module.update(_utils.tree_unflatten(list(arrays.items())))
 
 
-class MLXBackend:
+class MLXBackend(ArrayBackend):
     """The tensor work of a node in MLX, on MLX's default device.
 
     Every array it returns is evaluated, so the learner's communication thread and the training
@@ -104,170 +101,114 @@ class MLXBackend:
     """
 
     name = "mlx"
+    _adapter_type = MLXAdapter
+    _module_type = nn.Module
+    _takes = "the MLX backend takes an mlx.nn.Module"
 
     def __repr__(self) -> str:
         return "MLXBackend()"
 
-    def adapter(self, model: object) -> Adapter:
-        if isinstance(model, MLXAdapter):
-            return model
-        if not isinstance(model, nn.Module):
-            raise TypeError(
-                f"the MLX backend takes an mlx.nn.Module, not {type(model).__qualname__}"
-            )
-        return MLXAdapter(model)
+    def ready(self, tensors: Tensors) -> None:
+        mx.eval(list(tensors.values()))
 
-    def capture(self, adapter: Adapter, names: Sequence[str]) -> Tensors:
-        if not isinstance(adapter, MLXAdapter):
-            return self.load(adapter.read(names))
+    def _capture(self, adapter: MLXAdapter, names: Sequence[str]) -> Tensors:
         # New array handles (no copy: arrays are immutable), so that an in-place ``a[i] = v``
         # on a live array later cannot reach them. Evaluated here, on the training thread,
         # because MLX evaluates a lazy array only on the thread whose stream made it.
         return _evaluated({name: mx.array(a) for name, a in adapter.tensors(names).items()})
 
-    def ready(self, tensors: Tensors) -> None:
-        mx.eval(list(tensors.values()))
-
-    def load(self, tensors: Mapping[str, TensorBytes]) -> Tensors:
-        loaded = {}
-        for name, value in tensors.items():
-            if value.dtype not in ("F32", "F16", "BF16"):
-                raise TypeError(f"tensor {name!r}: load takes F32, F16 or BF16, not {value.dtype}")
-            loaded[name] = _from_bytes(value)
-        return _evaluated(loaded)
-
-    def dump(self, tensors: Tensors) -> dict[str, TensorBytes]:
-        return {name: _to_bytes(a) for name, a in tensors.items()}
-
-    def delta(self, base: Tensors, local: Tensors, residual: Tensors | None = None) -> Tensors:
-        names = _matching("delta", base, local, residual)
-        out = {}
-        for name in names:
-            d = _f32(base[name]) - _f32(local[name])
-            out[name] = d if residual is None else d + _f32(residual[name])
-        return _evaluated(out)
-
-    def encode(
-        self, delta: Tensors, quantization: Quantized | None
-    ) -> tuple[dict[str, TensorBytes], Tensors]:
-        delta = {name: _f32(a) for name, a in delta.items()}
-        bad = _nonfinite(delta)
-        if bad:
-            raise NonFinite(bad)
-        payload: dict[str, TensorBytes] = {}
-        residual: Tensors = {}
-        for name, x in delta.items():
-            if quantization is None:
-                payload[name] = _to_bytes(x)
-                residual[name] = mx.zeros_like(x)
-                continue
-            encoded, scales, decoded = _QUANTIZE[quantization](x)
-            shape = (x.size + (-x.size) % F4_BLOCK,) if quantization == "F4" else x.shape
-            payload[name] = _raw(quantization, tuple(shape), encoded)
-            payload[scale_name(name)] = _raw(
-                "F32" if quantization == "F8_E4M3" else "F8_E8M0", tuple(scales.shape), scales
-            )
-            residual[name] = x - decoded
-        return payload, _evaluated(residual)
-
-    def decode(self, payload: Mapping[str, TensorBytes], schema: Schema) -> Tensors:
-        layout = formats.payload_layout(payload, schema)
-        out: Tensors = {}
-        for spec in schema.parameters:
-            data = _from_bytes(payload[spec.name])
-            if layout[spec.name] == "F8_E4M3":
-                scale = _from_bytes(payload[scale_name(spec.name)])
-                out[spec.name] = (mx.from_fp8(data, dtype=mx.float32) * scale).reshape(spec.shape)
-            elif layout[spec.name] == "F4":
-                scales = _from_bytes(payload[scale_name(spec.name)])
-                out[spec.name] = _dequantize_f4(data, scales, spec.shape)
-            else:
-                out[spec.name] = data.astype(mx.float32)
-        bad = _nonfinite(_evaluated(out))
-        if bad:
-            raise NonFinite(bad)
-        return out
-
-    def average(self, weighted: Sequence[tuple[float, Tensors]]) -> Tensors:
-        # Normalized first so that large weights (tokens) cannot overflow F32.
-        coefficients = formats.normalized_weights([w for w, _ in weighted])
-        return self.weighted_sum(list(zip(coefficients, (t for _, t in weighted), strict=True)))
-
-    def weighted_sum(self, weighted: Sequence[tuple[float, Tensors]]) -> Tensors:
-        formats.check_weights(w for w, _ in weighted)
-        names = _matching("weighted_sum", *(t for _, t in weighted))
-        out = {}
-        for name in names:
-            # The same ops in the same order as the torch backend: the same F32 results.
-            terms = [_f32(t[name]) * w for w, t in weighted]
-            total = terms[0]
-            for term in terms[1:]:
-                total = total + term
-            out[name] = total
-        return _evaluated(out)
-
-    def norm(self, tensors: Tensors) -> float:
-        total = 0.0
-        for a in tensors.values():
-            x = _f32(a)
-            if x.size == 0:
-                continue
-            peak = cast(float, mx.max(mx.abs(x)).item())
-            if not math.isfinite(peak):
-                return math.inf if peak == math.inf else math.nan
-            if peak > 0.0:
-                # Scaled by the peak: squares of F32 values above 1.8e19 would overflow.
-                scaled = cast(float, mx.sqrt(mx.sum(mx.square(x / peak))).item())
-                total += (peak * scaled) ** 2
-        return math.sqrt(total)
-
-    def outer_step(
+    def _merge_live(
         self,
-        master: Tensors,
-        momentum: Tensors | None,
-        gradient: Tensors,
-        *,
-        lr: float,
-        beta: float,
-        nesterov: bool = True,
-    ) -> tuple[Tensors, Tensors]:
-        formats.check_outer(lr, beta)
-        names = _matching("outer_step", master, gradient, momentum)
-        new_master, new_momentum = {}, {}
-        for name in names:
-            g = _f32(gradient[name])
-            m = g if momentum is None else _f32(momentum[name]) * beta + g
-            update = g + m * beta if nesterov else m
-            new_master[name] = _f32(master[name]) - update * lr
-            new_momentum[name] = m
-        return _evaluated(new_master), _evaluated(new_momentum)
-
-    def cast(self, tensors: Tensors, schema: Schema) -> Tensors:
-        _check_shapes("cast", schema, tensors)
-        out = {name: a.astype(_MLX[schema[name].dtype]) for name, a in tensors.items()}
-        return _evaluated(out)
-
-    def merge(
-        self,
-        adapter: Adapter,
+        adapter: MLXAdapter,
+        names: Sequence[str],
         commit: Tensors,
-        *,
         since: Tensors | None,
         alpha: float | None,
     ) -> None:
-        formats.check_alpha(alpha)
-        names = _matching("merge", commit, since if alpha is None else None)
-        _check_shapes("merge", adapter.schema, commit)
-        if isinstance(adapter, MLXAdapter):
-            live = adapter.tensors(names)
-        else:
-            live = self.load(adapter.read(names))
-        merged = {n: _merged(live[n], commit[n], since, alpha, n) for n in names}
-        rounded = self.cast(merged, adapter.schema)
-        if isinstance(adapter, MLXAdapter):
-            adapter.update(rounded)
-        else:
-            adapter.write(self.dump(rounded))
+        live = adapter.tensors(names)
+        merged = {n: self._merged(live[n], commit[n], since, alpha, n) for n in names}
+        adapter.update(self.cast(merged, adapter.schema))
+
+    def _evaluated(self, tensors: Tensors) -> Tensors:
+        return _evaluated(tensors)
+
+    def _array(self, value: TensorBytes) -> Any:
+        return _from_bytes(value)
+
+    def _plain_bytes(self, a: Any) -> TensorBytes:
+        return _to_bytes(a)
+
+    def _host(self, a: Any) -> bytes:
+        return _host_bytes(a)
+
+    def _f32(self, a: Any) -> Any:
+        return a if a.dtype == mx.float32 else a.astype(mx.float32)
+
+    def _f32_at(self, a: Any, live: Any) -> Any:
+        return self._f32(a)
+
+    def _cast(self, a: Any, dtype: PayloadDType) -> Any:
+        return a.astype(_MLX[dtype])
+
+    def _int32(self, a: Any) -> Any:
+        return a.astype(mx.int32)
+
+    def _uint8(self, a: Any) -> Any:
+        return a.astype(mx.uint8)
+
+    def _bits(self, a: Any) -> Any:
+        return a.view(mx.int32)
+
+    def _from_bits(self, a: Any) -> Any:
+        return a.view(mx.float32)
+
+    def _zeros_like(self, a: Any) -> Any:
+        return mx.zeros_like(a)
+
+    def _copy(self, a: Any) -> Any:
+        return a  # immutable: sharing it is a copy
+
+    def _times_plus(self, a: Any, s: float, b: Any) -> Any:
+        return a * s + b
+
+    def _plus_times(self, a: Any, b: Any, s: float) -> Any:
+        return a + b * s
+
+    def _at_least(self, a: Any, low: int) -> Any:
+        return mx.maximum(a, low)
+
+    def _clip(self, a: Any, low: Any, high: Any) -> Any:
+        return mx.clip(a, low, high)
+
+    def _where(self, condition: Any, yes: float, no: float) -> Any:
+        return mx.where(condition, yes, no)
+
+    def _amax(self, a: Any) -> Any:
+        return mx.max(mx.abs(a)) if a.size else mx.array(0.0)
+
+    def _amax_rows(self, rows: Any) -> Any:
+        return mx.max(mx.abs(rows), axis=1)
+
+    def _l2(self, a: Any) -> float:
+        return cast(float, mx.sqrt(mx.sum(mx.square(a))).item())
+
+    def _finite(self, arrays: list[Any]) -> list[bool]:
+        return cast(list[bool], mx.stack([mx.all(mx.isfinite(a)) for a in arrays]).tolist())
+
+    def _to_e4m3(self, a: Any) -> Any:
+        return mx.to_fp8(a)
+
+    def _from_e4m3(self, codes: Any) -> Any:
+        return mx.from_fp8(codes, dtype=mx.float32)
+
+    def _padded(self, flat: Any, count: int) -> Any:
+        return mx.pad(flat, [(0, count)])
+
+    def _lookup(self, table: tuple[float, ...], indices: Any) -> Any:
+        return mx.take(mx.array(table, mx.float32), indices)
+
+    def _interleave(self, a: Any, b: Any) -> Any:
+        return mx.stack([a, b], axis=1).reshape(-1)
 
 
 def _evaluated(tensors: Tensors) -> Tensors:
@@ -277,57 +218,14 @@ def _evaluated(tensors: Tensors) -> Tensors:
     return tensors
 
 
-def _merged(live: Any, commit: Any, since: Tensors | None, alpha: float | None, name: str) -> Any:
-    c = _f32(commit)
-    if alpha is not None:
-        return _f32(live) * alpha + c * (1.0 - alpha)
-    if since is not None:
-        return c + (_f32(live) - _f32(since[name]))
-    return c
-
-
-def _f32(a: Any) -> Any:
-    return a if a.dtype == mx.float32 else a.astype(mx.float32)
-
-
-def _matching(what: str, *groups: Tensors | None) -> list[str]:
-    """The names shared by every group of tensors (None is skipped), with equal shapes."""
-    present = [g for g in groups if g is not None]
-    names = set(present[0])
-    differing = set().union(*(names ^ set(g) for g in present))
-    if differing:
-        raise SchemaMismatch(sorted(differing), f"{what}: the tensors name different parameters")
-    order = sorted(names)
-    shapes = [n for n in order if len({tuple(g[n].shape) for g in present}) > 1]
-    if shapes:
-        raise SchemaMismatch(shapes, f"{what}: the tensors differ in shape")
-    return order
-
-
-def _check_shapes(what: str, schema: Schema, tensors: Tensors) -> None:
-    bad = [n for n, a in tensors.items() if n not in schema or tuple(a.shape) != schema[n].shape]
-    if bad:
-        raise SchemaMismatch(sorted(bad), f"{what}: not parameters of the schema, or other shapes")
-
-
-def _nonfinite(arrays: Mapping[str, Any]) -> list[str]:
-    if not arrays:
-        return []
-    flags = cast(list[bool], mx.stack([mx.all(mx.isfinite(a)) for a in arrays.values()]).tolist())
-    return sorted(name for name, ok in zip(arrays, flags, strict=True) if not ok)
-
-
 def _to_bytes(a: Any) -> TensorBytes:
-    dtype = _DTYPE.get(a.dtype)
-    if dtype is None:
-        raise TypeError(f"an array of {a.dtype} has no F32/F16/BF16 bytes")
-    return _raw(dtype, tuple(a.shape), a)
+    return plain_bytes(a, _DTYPE, _host_bytes)
 
 
-def _raw(dtype: PayloadDType, shape: tuple[int, ...], a: Any) -> TensorBytes:
+def _host_bytes(a: Any) -> bytes:
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
-    return TensorBytes(dtype=dtype, shape=shape, data=np.asarray(a).tobytes())
+    return np.asarray(a).tobytes()
 
 
 def _from_bytes(value: TensorBytes) -> Any:
@@ -338,48 +236,3 @@ def _from_bytes(value: TensorBytes) -> Any:
     host = np.frombuffer(value.data, dtype=_NUMPY[dtype]).reshape(value.shape)
     array = mx.array(host)
     return array.view(mx.bfloat16) if dtype == mx.bfloat16 else array
-
-
-def _f8(x: Any) -> tuple[Any, Any, Any]:
-    amax = mx.max(mx.abs(x)) if x.size else mx.array(0.0)
-    bits = amax.view(mx.int32)
-    above = ((bits & 0x7FFFFF) > 0x600000).astype(mx.int32)  # mantissa beyond 1.75 (448)
-    k = mx.maximum(((bits >> 23) & 0xFF) - 135 + above, -126)
-    scale = ((k + 127) << 23).view(mx.float32)
-    inverse = ((127 - k) << 23).view(mx.float32)
-    limit = mx.where(k >= formats.E4M3_TOP_EXPONENT, formats.E4M3_TOP_LIMIT, formats.E4M3_MAX)
-    codes = mx.to_fp8(mx.clip(x * inverse, -limit, limit))
-    return codes, scale, mx.from_fp8(codes, dtype=mx.float32) * scale
-
-
-def _f4(x: Any) -> tuple[Any, Any, Any]:
-    n = x.size
-    rows = mx.pad(x.reshape(-1), [(0, (-n) % F4_BLOCK)]).reshape(-1, F4_BLOCK)
-    biased = (mx.max(mx.abs(rows), axis=1).view(mx.int32) >> 23) & 0xFF
-    exponents = mx.maximum(biased - 2, 0)
-    inverse = ((254 - exponents) << 23).view(mx.float32)
-    scaled = rows * inverse[:, None]
-    magnitude = mx.abs(scaled)
-    codes = (scaled.view(mx.int32) < 0).astype(mx.uint8) << 3
-    for threshold, inclusive in formats.E2M1_STEPS:
-        passed = (magnitude >= threshold) if inclusive else (magnitude > threshold)
-        codes = codes + passed.astype(mx.uint8)
-    pairs = codes.reshape(-1, 2)
-    packed = pairs[:, 0] | (pairs[:, 1] << 4)
-    exponents = exponents.astype(mx.uint8)
-    decoded = _dequantize_codes(codes.reshape(-1), exponents)[:n].reshape(x.shape)
-    return packed, exponents, decoded
-
-
-def _dequantize_codes(codes: Any, exponents: Any) -> Any:
-    values = mx.take(mx.array(formats.E2M1_VALUES, mx.float32), codes).reshape(-1, F4_BLOCK)
-    scales = mx.take(mx.array(formats.E8M0_VALUES, mx.float32), exponents)
-    return (values * scales[:, None]).reshape(-1)
-
-
-def _dequantize_f4(packed: Any, exponents: Any, shape: tuple[int, ...]) -> Any:
-    codes = mx.stack([packed & 0xF, packed >> 4], axis=1).reshape(-1)
-    return _dequantize_codes(codes, exponents)[: math.prod(shape)].reshape(shape)
-
-
-_QUANTIZE = {"F8_E4M3": _f8, "F4": _f4}

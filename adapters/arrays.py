@@ -1,0 +1,330 @@
+"""What the torch and MLX backends share: the ``Backend`` protocol, written once over array
+primitives.
+
+``ArrayBackend`` holds every rule of the protocol: which tensors must match, the order of the
+F32 roundings (which is what makes a payload the same bytes whichever framework wrote it), the
+payload layouts, the outer step and the merge formulas; the quantized formats are those of its
+base, ``kernels.ArrayKernels``. A framework's backend subclasses it and supplies only the
+primitives, the ``_`` methods declared abstract here and in ``ArrayKernels``: conversions, the
+ops whose names or kernels differ between frameworks, and what its device needs (CUDA events in
+torch, evaluating lazy arrays in MLX). Beyond them the shared code uses only the array
+operations that the ``kernels`` module lists, which torch and MLX do alike.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from gradientmail.adapters import formats
+from gradientmail.adapters.base import Adapter, Tensors
+from gradientmail.adapters.kernels import Array, ArrayKernels, numel
+from gradientmail.core.errors import NonFinite
+from gradientmail.core.tensors import (
+    DTYPES,
+    F4_BLOCK,
+    DType,
+    PayloadDType,
+    Quantized,
+    Schema,
+    SchemaMismatch,
+    TensorBytes,
+    scale_name,
+)
+
+__all__ = ["ArrayBackend", "check_shapes", "matching", "plain_bytes"]
+
+
+class _OwnAdapter(Adapter, Protocol):
+    """A framework's own adapter class, made from the framework's module."""
+
+    def __init__(self, module: Any) -> None: ...
+
+
+class ArrayBackend(ArrayKernels):
+    """The ``Backend`` protocol over a framework's array primitives."""
+
+    name: str
+    _adapter_type: type[_OwnAdapter]
+    """The framework's adapter class, whose live parameters ``_capture`` and ``_merge_live``
+    reach without going through bytes."""
+    _module_type: type[Any]
+    _takes: str
+    """What ``adapter`` says it takes, refusing another object."""
+
+    def adapter(self, model: object) -> Adapter:
+        if isinstance(model, self._adapter_type):
+            return model
+        if not isinstance(model, self._module_type):
+            raise TypeError(f"{self._takes}, not {type(model).__qualname__}")
+        return self._adapter_type(model)
+
+    def capture(self, adapter: Adapter, names: Sequence[str]) -> Tensors:
+        if not isinstance(adapter, self._adapter_type):
+            return self.load(adapter.read(names))
+        return self._capture(adapter, names)
+
+    def load(self, tensors: Mapping[str, TensorBytes]) -> Tensors:
+        loaded = {}
+        for name, value in tensors.items():
+            if value.dtype not in DTYPES:
+                raise TypeError(f"tensor {name!r}: load takes F32, F16 or BF16, not {value.dtype}")
+            loaded[name] = self._array(value)
+        return self._evaluated(loaded)
+
+    def dump(self, tensors: Tensors) -> dict[str, TensorBytes]:
+        return {name: self._plain_bytes(t) for name, t in tensors.items()}
+
+    def delta(self, base: Tensors, local: Tensors, residual: Tensors | None = None) -> Tensors:
+        names = matching("delta", base, local, residual)
+        out = {}
+        for name in names:
+            d = self._f32(base[name]) - self._f32(local[name])
+            if residual is not None:
+                d += self._f32(residual[name])
+            out[name] = d
+        return self._evaluated(out)
+
+    def encode(
+        self, delta: Tensors, quantization: Quantized | None
+    ) -> tuple[dict[str, TensorBytes], Tensors]:
+        delta = {name: self._f32(t) for name, t in delta.items()}
+        self._refuse_nonfinite(delta)
+        payload: dict[str, TensorBytes] = {}
+        residual: Tensors = {}
+        for name, x in delta.items():
+            if quantization is None:
+                payload[name] = self._plain_bytes(x)
+                residual[name] = self._zeros_like(x)
+                continue
+            encoded, scales, decoded = self._quantize(quantization, x)
+            n = numel(x)
+            shape = (n + (-n) % F4_BLOCK,) if quantization == "F4" else tuple(x.shape)
+            payload[name] = TensorBytes(dtype=quantization, shape=shape, data=self._host(encoded))
+            payload[scale_name(name)] = TensorBytes(
+                dtype="F32" if quantization == "F8_E4M3" else "F8_E8M0",
+                shape=tuple(scales.shape),
+                data=self._host(scales),
+            )
+            residual[name] = x - decoded
+        return payload, self._evaluated(residual)
+
+    def decode(self, payload: Mapping[str, TensorBytes], schema: Schema) -> Tensors:
+        layout = formats.payload_layout(payload, schema)
+        out: Tensors = {}
+        for spec in schema.parameters:
+            data = self._array(payload[spec.name])
+            if layout[spec.name] == "F8_E4M3":
+                scale = self._array(payload[scale_name(spec.name)])
+                out[spec.name] = self._dequantize_f8(data, scale, spec.shape)
+            elif layout[spec.name] == "F4":
+                scales = self._array(payload[scale_name(spec.name)])
+                out[spec.name] = self._dequantize_f4(data, scales, spec.shape)
+            else:
+                out[spec.name] = self._f32(data)
+        self._refuse_nonfinite(self._evaluated(out))
+        return out
+
+    def average(self, weighted: Sequence[tuple[float, Tensors]]) -> Tensors:
+        # Normalized first so that large weights (tokens) cannot overflow F32.
+        coefficients = formats.normalized_weights([w for w, _ in weighted])
+        return self.weighted_sum(list(zip(coefficients, (t for _, t in weighted), strict=True)))
+
+    def weighted_sum(self, weighted: Sequence[tuple[float, Tensors]]) -> Tensors:
+        formats.check_weights(w for w, _ in weighted)
+        names = matching("weighted_sum", *(t for _, t in weighted))
+        out = {}
+        for name in names:
+            # One rounding a product and one a sum, in order: the same F32 results everywhere.
+            terms = (self._f32(t[name]) * w for w, t in weighted)
+            total = next(terms)
+            for term in terms:
+                total = total + term
+            out[name] = total
+        return self._evaluated(out)
+
+    def norm(self, tensors: Tensors) -> float:
+        total = 0.0
+        for t in tensors.values():
+            a = self._f32(t)
+            if numel(a) == 0:
+                continue
+            peak = float(self._amax(a))
+            if not math.isfinite(peak):
+                return math.inf if peak == math.inf else math.nan
+            if peak > 0.0:
+                # Scaled by the peak: squares of F32 values above 1.8e19 would overflow.
+                total += (peak * self._l2(a / peak)) ** 2
+        return math.sqrt(total)
+
+    def outer_step(
+        self,
+        master: Tensors,
+        momentum: Tensors | None,
+        gradient: Tensors,
+        *,
+        lr: float,
+        beta: float,
+        nesterov: bool = True,
+    ) -> tuple[Tensors, Tensors]:
+        formats.check_outer(lr, beta)
+        names = matching("outer_step", master, gradient, momentum)
+        new_master, new_momentum = {}, {}
+        for name in names:
+            # torch.optim.SGD's steps in its order (_single_tensor_sgd).
+            g = self._f32(gradient[name])
+            if momentum is None:
+                m = self._copy(g)
+            else:
+                m = self._times_plus(self._f32(momentum[name]), beta, g)
+            update = self._plus_times(g, m, beta) if nesterov else m
+            new_master[name] = self._plus_times(self._f32(master[name]), update, -lr)
+            new_momentum[name] = m
+        return self._evaluated(new_master), self._evaluated(new_momentum)
+
+    def cast(self, tensors: Tensors, schema: Schema) -> Tensors:
+        check_shapes("cast", schema, tensors)
+        return self._evaluated({n: self._cast(t, schema[n].dtype) for n, t in tensors.items()})
+
+    def merge(
+        self,
+        adapter: Adapter,
+        commit: Tensors,
+        *,
+        since: Tensors | None,
+        alpha: float | None,
+    ) -> None:
+        formats.check_alpha(alpha)
+        names = matching("merge", commit, since if alpha is None else None)
+        check_shapes("merge", adapter.schema, commit)
+        if isinstance(adapter, self._adapter_type):
+            self._merge_live(adapter, names, commit, since, alpha)
+            return
+        live = self.load(adapter.read(names))
+        merged = {n: self._merged(live[n], commit[n], since, alpha, n) for n in names}
+        adapter.write(self.dump(self.cast(merged, adapter.schema)))
+
+    def _merged(
+        self, live: Array, commit: Array, since: Tensors | None, alpha: float | None, name: str
+    ) -> Array:
+        """A parameter after ``merge``, in F32 on the device of ``live``."""
+        c = self._f32_at(commit, live)
+        if alpha is not None:
+            return self._f32_at(live, live) * alpha + c * (1.0 - alpha)
+        if since is not None:
+            return c + (self._f32_at(live, live) - self._f32_at(since[name], live))
+        return c
+
+    def _refuse_nonfinite(self, tensors: Tensors) -> None:
+        """Raise ``NonFinite`` naming the tensors that hold NaN or Inf."""
+        named = [(name, t) for name, t in tensors.items() if numel(t)]
+        if not named:
+            return
+        flags = self._finite([t for _, t in named])
+        bad = sorted(name for (name, _), ok in zip(named, flags, strict=True) if not ok)
+        if bad:
+            raise NonFinite(bad)
+
+    # The primitives. Arrays handed in may be any of the backend's own; those returned are on
+    # its device unless said otherwise.
+
+    def _evaluated(self, tensors: Tensors) -> Tensors:
+        """``tensors``, computed, for a framework that computes lazily; eager ones keep this."""
+        return tensors
+
+    @abstractmethod
+    def _capture(self, adapter: Any, names: Sequence[str]) -> Tensors:
+        """``capture`` from an adapter of ``_adapter_type``."""
+
+    @abstractmethod
+    def _merge_live(
+        self,
+        adapter: Any,
+        names: Sequence[str],
+        commit: Tensors,
+        since: Tensors | None,
+        alpha: float | None,
+    ) -> None:
+        """``merge`` into an adapter of ``_adapter_type``: each parameter becomes ``_merged``
+        of it, rounded to its dtype."""
+
+    @abstractmethod
+    def _array(self, value: TensorBytes) -> Array:
+        """An array of ``value``: its dtype for F32/F16/BF16, else its raw bytes (uint8)."""
+
+    @abstractmethod
+    def _plain_bytes(self, a: Array) -> TensorBytes:
+        """Bytes of the F32, F16 or BF16 ``a``, keeping its dtype (``plain_bytes``)."""
+
+    @abstractmethod
+    def _host(self, a: Array) -> bytes:
+        """The raw bytes of ``a``, C-contiguous."""
+
+    @abstractmethod
+    def _f32(self, a: Array) -> Array:
+        """``a`` in F32: ``a`` itself when it already is."""
+
+    @abstractmethod
+    def _f32_at(self, a: Array, live: Array) -> Array:
+        """``a`` in F32 on the device of the live parameter ``live``."""
+
+    @abstractmethod
+    def _cast(self, a: Array, dtype: PayloadDType) -> Array:
+        """``a`` rounded to nearest even to ``dtype``."""
+
+    @abstractmethod
+    def _zeros_like(self, a: Array) -> Array: ...
+
+    @abstractmethod
+    def _copy(self, a: Array) -> Array:
+        """An array of ``a``'s values that no caller holds."""
+
+    @abstractmethod
+    def _times_plus(self, a: Array, s: float, b: Array) -> Array:
+        """F32 ``a * s + b``, rounded after each op."""
+
+    @abstractmethod
+    def _plus_times(self, a: Array, b: Array, s: float) -> Array:
+        """``a + b * s``, as the framework's own SGD computes it."""
+
+    @abstractmethod
+    def _l2(self, a: Array) -> float:
+        """The L2 norm of ``a``."""
+
+    @abstractmethod
+    def _finite(self, arrays: list[Array]) -> list[bool]:
+        """Whether each of the non-empty ``arrays`` holds neither NaN nor Inf."""
+
+
+def plain_bytes(
+    a: Array, dtypes: Mapping[Any, DType], host: Callable[[Array], bytes]
+) -> TensorBytes:
+    """Bytes of ``a``, keeping its dtype, looked up in ``dtypes`` (a framework's dtypes by their
+    codes); ``host`` gives an array's raw bytes."""
+    dtype = dtypes.get(a.dtype)
+    if dtype is None:
+        raise TypeError(f"a tensor of {a.dtype} has no F32/F16/BF16 bytes")
+    return TensorBytes(dtype=dtype, shape=tuple(a.shape), data=host(a))
+
+
+def matching(what: str, *groups: Tensors | None) -> list[str]:
+    """The names shared by every group of tensors (None is skipped), with equal shapes."""
+    present = [g for g in groups if g is not None]
+    names = set(present[0])
+    differing = set().union(*(names ^ set(g) for g in present))
+    if differing:
+        raise SchemaMismatch(sorted(differing), f"{what}: the tensors name different parameters")
+    order = sorted(names)
+    shapes = [n for n in order if len({tuple(g[n].shape) for g in present}) > 1]
+    if shapes:
+        raise SchemaMismatch(shapes, f"{what}: the tensors differ in shape")
+    return order
+
+
+def check_shapes(what: str, schema: Schema, tensors: Tensors) -> None:
+    """Raise ``SchemaMismatch`` naming the tensors that are not ``schema``'s, shapes included."""
+    bad = [n for n, t in tensors.items() if n not in schema or tuple(t.shape) != schema[n].shape]
+    if bad:
+        raise SchemaMismatch(sorted(bad), f"{what}: not parameters of the schema, or other shapes")

@@ -1,0 +1,136 @@
+"""The quantized formats of ``formats`` as array kernels, written once for every framework.
+
+``ArrayKernels`` encodes and decodes F8_E4M3 and F4 step by step as ``formats`` states them.
+The steps use directly only what torch tensors and MLX arrays do alike, bit for bit: Python's
+arithmetic, comparison and bitwise operators, indexing, ``.shape``, ``.reshape`` and ``.abs()``
+(``+=`` only on an array the same function has just made: torch adds in place, MLX makes a new
+array under the same name). Every other op is a primitive, an abstract ``_`` method that a
+framework's backend supplies. So both frameworks run the very same steps, and a payload is the
+same bytes whichever of them wrote it.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import Any, TypeAlias
+
+from gradientmail.adapters import formats
+from gradientmail.core.tensors import F4_BLOCK, Quantized
+
+__all__ = ["Array", "ArrayKernels", "numel"]
+
+Array: TypeAlias = Any
+"""A backend's own array: a torch tensor or an MLX array."""
+
+
+class ArrayKernels(ABC):
+    """The F8_E4M3 and F4 kernels over a framework's array primitives."""
+
+    def _quantize(self, quantization: Quantized, x: Array) -> tuple[Array, Array, Array]:
+        """The codes, the scales and the decoded values of the F32 ``x``."""
+        return self._quantize_f8(x) if quantization == "F8_E4M3" else self._quantize_f4(x)
+
+    def _quantize_f8(self, x: Array) -> tuple[Array, Array, Array]:
+        bits = self._bits(self._amax(x))
+        # ``formats.f8_scale_exponent`` from the bits of amax: the smallest ``k`` with
+        # ``amax <= 448 * 2**k``, at least -126. A mantissa beyond 1.75 (448 = 1.75 * 2**8)
+        # needs the next power.
+        above = self._int32((bits & 0x7FFFFF) > 0x600000)
+        k = self._at_least(((bits >> 23) & 0xFF) - 135 + above, -126)
+        scale = self._from_bits((k + 127) << 23)
+        inverse = self._from_bits((127 - k) << 23)
+        limit = self._where(
+            k >= formats.E4M3_TOP_EXPONENT, formats.E4M3_TOP_LIMIT, formats.E4M3_MAX
+        )
+        codes = self._to_e4m3(self._clip(x * inverse, -limit, limit))
+        return codes, scale, self._from_e4m3(codes) * scale
+
+    def _quantize_f4(self, x: Array) -> tuple[Array, Array, Array]:
+        n = numel(x)
+        rows = self._padded(x.reshape(-1), (-n) % F4_BLOCK).reshape(-1, F4_BLOCK)
+        biased = (self._bits(self._amax_rows(rows)) >> 23) & 0xFF
+        exponents = self._at_least(biased - 2, 0)
+        inverse = self._from_bits((254 - exponents) << 23)
+        scaled = rows * inverse[:, None]
+        magnitude = scaled.abs()
+        codes = self._uint8(self._bits(scaled) < 0) << 3
+        for threshold, inclusive in formats.E2M1_STEPS:
+            codes += (magnitude >= threshold) if inclusive else (magnitude > threshold)
+        pairs = codes.reshape(-1, 2)
+        packed = pairs[:, 0] | (pairs[:, 1] << 4)
+        exponents = self._uint8(exponents)
+        decoded = self._dequantize_codes(codes.reshape(-1), exponents)[:n].reshape(x.shape)
+        return packed, exponents, decoded
+
+    def _dequantize_f8(self, codes: Array, scale: Array, shape: tuple[int, ...]) -> Array:
+        return (self._from_e4m3(codes) * scale).reshape(shape)
+
+    def _dequantize_f4(self, packed: Array, exponents: Array, shape: tuple[int, ...]) -> Array:
+        codes = self._interleave(packed & 0xF, packed >> 4)
+        return self._dequantize_codes(codes, exponents)[: math.prod(shape)].reshape(shape)
+
+    def _dequantize_codes(self, codes: Array, exponents: Array) -> Array:
+        values = self._lookup(formats.E2M1_VALUES, codes).reshape(-1, F4_BLOCK)
+        scales = self._lookup(formats.E8M0_VALUES, exponents)
+        return (values * scales[:, None]).reshape(-1)
+
+    # The primitives the kernels need; arrays returned are on the device of those handed in.
+
+    @abstractmethod
+    def _int32(self, a: Array) -> Array: ...
+
+    @abstractmethod
+    def _uint8(self, a: Array) -> Array: ...
+
+    @abstractmethod
+    def _bits(self, a: Array) -> Array:
+        """The bits of the F32 ``a`` as int32."""
+
+    @abstractmethod
+    def _from_bits(self, a: Array) -> Array:
+        """The F32 whose bits are the int32 ``a``."""
+
+    @abstractmethod
+    def _at_least(self, a: Array, low: int) -> Array:
+        """``max(a, low)`` elementwise."""
+
+    @abstractmethod
+    def _clip(self, a: Array, low: Array, high: Array) -> Array: ...
+
+    @abstractmethod
+    def _where(self, condition: Array, yes: float, no: float) -> Array:
+        """F32 ``yes`` where ``condition`` holds, else ``no``."""
+
+    @abstractmethod
+    def _amax(self, a: Array) -> Array:
+        """``max|a|`` as a 0-d array; 0 for an empty ``a``."""
+
+    @abstractmethod
+    def _amax_rows(self, rows: Array) -> Array:
+        """``max|row|`` of each row of the 2-d ``rows``."""
+
+    @abstractmethod
+    def _to_e4m3(self, a: Array) -> Array:
+        """F8_E4M3 codes (uint8) of the F32 ``a``, rounded to nearest even."""
+
+    @abstractmethod
+    def _from_e4m3(self, codes: Array) -> Array:
+        """F32 values of the F8_E4M3 ``codes`` (uint8)."""
+
+    @abstractmethod
+    def _padded(self, flat: Array, count: int) -> Array:
+        """The 1-d ``flat`` followed by ``count`` zeros."""
+
+    @abstractmethod
+    def _lookup(self, table: tuple[float, ...], indices: Array) -> Array:
+        """F32 ``table[i]`` for each of the integer ``indices``."""
+
+    @abstractmethod
+    def _interleave(self, a: Array, b: Array) -> Array:
+        """``a[0], b[0], a[1], b[1], ...`` of the 1-d ``a`` and ``b``."""
+
+
+def numel(a: Array) -> int:
+    """The number of elements of ``a``."""
+    return math.prod(a.shape)
