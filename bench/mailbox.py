@@ -18,11 +18,11 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any
 
-from gradientmail.directory import DirectoryMailbox
-from gradientmail.mailbox import Mailbox
-from gradientmail.memory import MemoryMailbox
-from gradientmail.objectstore import ObjectStoreMailbox
-from gradientmail.testing.s3 import moto_s3
+from gradientmail.mailboxes._directory import DirectoryMailbox
+from gradientmail.mailboxes._memory import MemoryMailbox
+from gradientmail.mailboxes._objectstore import ObjectStoreMailbox
+from gradientmail.mailboxes._protocol import Mailbox
+from gradientmail.testing._s3 import moto_s3
 
 Row = tuple[str, str, Callable[[Mailbox], Coroutine[Any, Any, float]]]
 

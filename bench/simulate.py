@@ -25,9 +25,9 @@ import pstats
 import sys
 from typing import Any
 
-from gradientmail.testing.sim_config import SimConfig
-from gradientmail.testing.sim_world import Outcome, simulate
-from gradientmail.testing.simulate import Summary, report
+from sim.sim_config import SimConfig
+from sim.sim_world import Outcome, simulate
+from sim.simulate import Summary, report
 
 # Realistic proportions for the request figures: 50 s rounds, 1 s polls, 10 s lease renewals.
 REQUESTS: dict[str, Any] = {

@@ -50,6 +50,7 @@ from typing import Literal, TypeAlias, get_args
 
 import attrs
 
+from gradientmail.core.errors import FormatError
 from gradientmail.core.tensors import (
     ITEM_BITS,
     PayloadDType,
@@ -115,9 +116,10 @@ def decompress(data: bytes, compression: Compression, *, limit: int) -> dict[str
     """The tensors in payload ``data`` stored under ``compression``, read as untrusted input.
 
     ``limit`` bounds the decompressed (safetensors) size in bytes; ``max_packed_size`` gives it
-    for a schema. Raises ``ValueError``, and nothing else, for a frame that declares or
+    for a schema. Raises ``FormatError``, and nothing else, for a frame that declares or
     decompresses to more than ``limit`` (checked before that memory is spent), and for any
-    corrupt, truncated or foreign input. ``"zstd"`` raises ``ImportError`` naming the ``zstd``
+    corrupt, truncated or foreign input (a bad ``limit`` or ``compression`` is a
+    ``ValueError``: the caller's mistake). ``"zstd"`` raises ``ImportError`` naming the ``zstd``
     extra when zstandard is not installed.
     """
     _check(compression)
@@ -125,7 +127,7 @@ def decompress(data: bytes, compression: Compression, *, limit: int) -> dict[str
         raise ValueError(f"limit must be a non-negative number of bytes, got {limit!r}")
     if compression == "off":
         if len(data) > limit:
-            raise ValueError(f"payload of {len(data)} bytes exceeds the limit of {limit} bytes")
+            raise FormatError(f"payload of {len(data)} bytes exceeds the limit of {limit} bytes")
         return unpack(data)
     blob = _zstd_decompress(_zstd(), data, limit)
     return {
@@ -211,24 +213,24 @@ def _zstd_compress(zstd: ModuleType, blob: bytes, bounds: list[int]) -> bytes:
 
 def _zstd_decompress(zstd: ModuleType, data: bytes, limit: int) -> bytes:
     if data[:4] != ZSTD_MAGIC:
-        raise ValueError("payload is not a zstd frame (bad magic)")
+        raise FormatError("payload is not a zstd frame (bad magic)")
     try:
         frame = zstd.get_frame_parameters(data)
     except zstd.ZstdError as exc:
-        raise ValueError(f"zstd frame header is corrupt: {exc}") from None
+        raise FormatError(f"zstd frame header is corrupt: {exc}") from None
     size = frame.content_size
     if size in (zstd.CONTENTSIZE_UNKNOWN, zstd.CONTENTSIZE_ERROR):
-        raise ValueError("zstd frame does not declare its decompressed size")
+        raise FormatError("zstd frame does not declare its decompressed size")
     if size > limit:
-        raise ValueError(f"zstd frame declares {size} bytes, more than the limit of {limit} bytes")
+        raise FormatError(f"zstd frame declares {size} bytes, more than the limit of {limit} bytes")
     if frame.dict_id or not frame.has_checksum:
-        raise ValueError("zstd frame needs a dictionary or lacks its checksum; not one of ours")
+        raise FormatError("zstd frame needs a dictionary or lacks its checksum; not one of ours")
     try:
         blob: bytes = zstd.ZstdDecompressor().decompress(data, allow_extra_data=False)
     except zstd.ZstdError as exc:
-        raise ValueError(f"zstd frame is corrupt or truncated: {exc}") from None
+        raise FormatError(f"zstd frame is corrupt or truncated: {exc}") from None
     if len(blob) != size:
-        raise ValueError(f"zstd frame decompressed to {len(blob)} bytes, declared {size}")
+        raise FormatError(f"zstd frame decompressed to {len(blob)} bytes, declared {size}")
     return blob
 
 

@@ -18,12 +18,12 @@ publishes nothing (Decision 6).
 
 from __future__ import annotations
 
-from typing import Literal
-
 import attrs
 
 from gradientmail.core.algorithm import DiLoCo
+from gradientmail.core.effects import Merge, Publish, Rebased
 from gradientmail.core.errors import ProtocolError
+from gradientmail.core.identity import derived
 
 __all__ = [
     "Blocked",
@@ -33,6 +33,7 @@ __all__ = [
     "Publish",
     "Rebased",
     "close",
+    "counted",
     "done",
     "join",
     "on_commit",
@@ -46,14 +47,15 @@ class FragmentState:
     """One fragment as a learner sees it.
 
     ``merged`` is the newest commit round the model holds (-1: the initial parameters).
-    ``outstanding`` is the round of the snapshot in flight, with the samples and steps it
-    reported (``in_flight_*``) and the step it was taken at (``published_at``; None when the
-    overlap bound does not apply to it). ``samples`` and ``steps`` count training since the
-    last snapshot.
+    ``outstanding`` is the round of the snapshot in flight, with its ``nonce``, the samples and
+    steps it reported (``in_flight_*``) and the step it was taken at (``published_at``; None
+    when the overlap bound does not apply to it). ``samples`` and ``steps`` count training
+    since the last snapshot.
     """
 
     merged: int = -1
     outstanding: int | None = None
+    nonce: str | None = None
     published_at: int | None = None
     in_flight_samples: int = 0
     in_flight_steps: int = 0
@@ -70,6 +72,7 @@ class FragmentState:
         return FragmentState(
             merged=self.merged,
             outstanding=self.outstanding,
+            nonce=self.nonce,
             published_at=self.published_at,
             in_flight_samples=self.in_flight_samples,
             in_flight_steps=self.in_flight_steps,
@@ -80,47 +83,16 @@ class FragmentState:
 
 @attrs.frozen(kw_only=True)
 class LearnerState:
+    """A learner's training side: each fragment's state, the steps taken, the next slot, the
+    slots deferred until a fragment is free, whether it is closing, and its ``process`` nonce
+    (which marks every snapshot it publishes: ``identity.derived``)."""
+
     fragments: tuple[FragmentState, ...]
     step: int = 0
     slot: int = 1
     deferred: int = 0
     closing: bool = False
-
-
-@attrs.frozen(kw_only=True)
-class Publish:
-    """Capture the fragment's parameters now and publish ``base - captured`` into ``round``."""
-
-    fragment: int
-    round: int
-    base_round: int
-    samples: int
-    steps: int
-
-
-@attrs.frozen(kw_only=True)
-class Merge:
-    """Fold the commit of ``round`` into the model.
-
-    ``since``: "snapshot" keeps the progress made after this node's own snapshot (it was
-    included); "base" keeps all progress since the previous commit (nothing of it was
-    counted: a missed round, or a commit this node did not report to). ``alpha`` mixes instead.
-    """
-
-    fragment: int
-    round: int
-    since: Literal["snapshot", "base"]
-    alpha: float | None
-
-
-@attrs.frozen(kw_only=True)
-class Rebased:
-    """This node's snapshot of ``missed`` was not included; its progress moves to a later
-    round (an event, nothing to execute)."""
-
-    fragment: int
-    missed: int
-    samples: int
+    process: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -135,14 +107,15 @@ class Blocked:
 Effect = Publish | Merge | Rebased
 
 
-def join(algorithm: DiLoCo, merged: tuple[int, ...]) -> LearnerState:
-    """The state of a node that holds commit ``merged[k]`` of every fragment ``k``."""
+def join(algorithm: DiLoCo, merged: tuple[int, ...], *, process: str = "") -> LearnerState:
+    """The state of a node (process nonce ``process``) that holds commit ``merged[k]`` of
+    every fragment ``k``."""
     if len(merged) != algorithm.fragments:
         raise ValueError(f"join needs one merged round per fragment, got {len(merged)}")
     for k, r in enumerate(merged):
         if r != -1 and (r < 0 or r % algorithm.fragments != k):
             raise ValueError(f"round {r} is not a round of fragment {k}")
-    return LearnerState(fragments=tuple(FragmentState(merged=r) for r in merged))
+    return LearnerState(fragments=tuple(FragmentState(merged=r) for r in merged), process=process)
 
 
 def slot_end(algorithm: DiLoCo, slot: int) -> int:
@@ -162,6 +135,7 @@ def step(state: LearnerState, algorithm: DiLoCo, samples: int) -> tuple[LearnerS
         slot=state.slot,
         deferred=state.deferred,
         closing=state.closing,
+        process=state.process,
     )
     effects: list[Effect] = []
     while state.step >= slot_end(algorithm, state.slot):
@@ -223,6 +197,7 @@ def on_commit(
         f,
         merged=round,
         outstanding=None,
+        nonce=None,
         published_at=None,
         in_flight_samples=0,
         in_flight_steps=0,
@@ -237,6 +212,23 @@ def on_commit(
     if state.closing:
         return _publish_remaining(state, algorithm, effects)
     return _take_deferred(state, algorithm, effects)
+
+
+def counted(
+    state: LearnerState,
+    algorithm: DiLoCo,
+    *,
+    round: int,
+    me: str,
+    counted: frozenset[tuple[str, str]],
+) -> bool:
+    """Whether this node's snapshot in flight for the fragment of ``round`` was counted by the
+    commit of ``round``, or by a commit skipped to reach it: ``counted`` holds every ``(node,
+    nonce)`` those commits included, and the snapshot is ours by its nonce (Decision 9)."""
+    f = state.fragments[round % algorithm.fragments]
+    if f.outstanding is None or f.outstanding > round or f.nonce is None:
+        return False
+    return (me, f.nonce) in counted
 
 
 def close(state: LearnerState, algorithm: DiLoCo) -> tuple[LearnerState, list[Effect]]:
@@ -287,12 +279,14 @@ def _publish(
 ) -> tuple[LearnerState, Publish]:
     f = state.fragments[k]
     target = next_round(algorithm, k, f.merged)
+    nonce = derived(state.process, "snapshot", target)
     publish = Publish(
         fragment=k, round=target, base_round=f.merged, samples=f.samples, steps=f.steps
     )
     f = attrs.evolve(
         f,
         outstanding=target,
+        nonce=nonce,
         published_at=state.step if bounded else None,
         in_flight_samples=f.samples,
         in_flight_steps=f.steps,

@@ -25,6 +25,9 @@ from typing import Literal, TypeAlias, get_args
 
 import attrs
 
+from gradientmail.core.errors import FormatError
+from gradientmail.core.errors import SchemaMismatch as SchemaMismatch  # re-exported
+
 if sys.byteorder != "little":
     raise ImportError("gradientmail requires a little-endian host")
 
@@ -256,18 +259,6 @@ def payload_schema(schema: Schema, quantization: Quantized | None) -> Schema:
     )
 
 
-class SchemaMismatch(ValueError):
-    """Tensors do not match the schema; ``names`` lists the offending parameters."""
-
-    names: tuple[str, ...]
-
-    def __init__(
-        self, names: Iterable[str], message: str = "parameters do not match the schema"
-    ) -> None:
-        self.names = tuple(names)
-        super().__init__(f"{message}: {', '.join(self.names)}")
-
-
 def validate(schema: Schema, tensors: Mapping[str, TensorBytes], names: Iterable[str]) -> None:
     """Raise ``SchemaMismatch`` unless every name is present with the schema's dtype and shape."""
 
@@ -330,27 +321,28 @@ _PACK_RANK: Mapping[PayloadDType, int] = {dtype: rank for rank, dtype in enumera
 def unpack(blob: bytes) -> dict[str, TensorBytes]:
     """Read safetensors bytes from an untrusted source, ignoring ``__metadata__``.
 
-    Raises ``ValueError`` (and nothing else) when the header is too large, overruns the blob or
+    Raises ``FormatError`` (and nothing else) when the header is too large, overruns the blob or
     is not the expected JSON, when an offset lies outside the data, when data ranges overlap,
     leave gaps or come out of order, when a dtype code is not a ``PayloadDType``, or when a
     shape does not match its byte count.
     """
     if len(blob) < 8:
-        raise ValueError(f"safetensors blob of {len(blob)} bytes is shorter than its 8-byte size")
+        raise FormatError(f"safetensors blob of {len(blob)} bytes is shorter than its 8-byte size")
     header_len = int.from_bytes(blob[:8], "little")
     if header_len > MAX_HEADER_BYTES:
-        raise ValueError(f"safetensors header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
+        raise FormatError(f"safetensors header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
     base = 8 + header_len
     if base > len(blob):
-        raise ValueError("safetensors header overruns the blob")
+        raise FormatError("safetensors header overruns the blob")
     view = memoryview(blob)
     try:
         header = json.loads(view[8:base].tobytes(), object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as exc:
-        # ValueError covers bad UTF-8, bad JSON, duplicate names and over-long integers.
-        raise ValueError(f"safetensors header is not valid JSON: {exc}") from None
+        # json.loads's ValueError covers bad UTF-8, bad JSON, duplicate names (_unique_keys)
+        # and over-long integers: all of them the header's bytes, nothing of ours.
+        raise FormatError(f"safetensors header is not valid JSON: {exc}") from None
     if not isinstance(header, dict):
-        raise ValueError("safetensors header must be a JSON object")
+        raise FormatError("safetensors header must be a JSON object")
     entries = [(name, _entry(name, e)) for name, e in header.items() if name != METADATA_KEY]
     # Zero-sized tensors share their offset with the next tensor: order them first.
     entries.sort(key=lambda item: (item[1][2], item[1][3]))
@@ -359,13 +351,13 @@ def unpack(blob: bytes) -> dict[str, TensorBytes]:
     tensors: dict[str, TensorBytes] = {}
     for name, (dtype, shape, start, stop) in entries:
         if start != cursor:
-            raise ValueError(f"tensor {name!r}: data starts at {start}, expected {cursor}")
+            raise FormatError(f"tensor {name!r}: data starts at {start}, expected {cursor}")
         if stop > data_len:
-            raise ValueError(f"tensor {name!r}: offsets outside the blob")
+            raise FormatError(f"tensor {name!r}: offsets outside the blob")
         cursor = stop
         tensors[name] = _tensor(name, dtype, shape, view[base + start : base + stop].tobytes())
     if cursor != data_len:
-        raise ValueError(f"safetensors blob has {data_len - cursor} trailing bytes")
+        raise FormatError(f"safetensors blob has {data_len - cursor} trailing bytes")
     return dict(sorted(tensors.items()))
 
 
@@ -373,26 +365,26 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
     result: dict[str, object] = {}
     for key, value in pairs:
         if key in result:
-            raise ValueError(f"duplicate key {key!r}")
+            raise FormatError(f"duplicate key {key!r}")
         result[key] = value
     return result
 
 
 def _entry(name: str, entry: object) -> tuple[PayloadDType, tuple[int, ...], int, int]:
     if not isinstance(entry, dict):
-        raise ValueError(f"tensor {name!r}: header entry must be an object")
+        raise FormatError(f"tensor {name!r}: header entry must be an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if dtype not in PAYLOAD_DTYPES or not isinstance(dtype, str):
-        raise ValueError(f"tensor {name!r}: unsupported dtype code {dtype!r}")
+        raise FormatError(f"tensor {name!r}: unsupported dtype code {dtype!r}")
     if not isinstance(shape, list) or not all(_is_size(d) for d in shape):
-        raise ValueError(f"tensor {name!r}: bad shape {shape!r}")
+        raise FormatError(f"tensor {name!r}: bad shape {shape!r}")
     if not _countable(shape):
-        raise ValueError(f"tensor {name!r}: shape of {len(shape)} axes overflows an element count")
+        raise FormatError(f"tensor {name!r}: shape of {len(shape)} axes overflows an element count")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_size, offsets))):
-        raise ValueError(f"tensor {name!r}: bad data_offsets {offsets!r}")
+        raise FormatError(f"tensor {name!r}: bad data_offsets {offsets!r}")
     start, stop = offsets
     if start > stop:
-        raise ValueError(f"tensor {name!r}: data_offsets {offsets} run backwards")
+        raise FormatError(f"tensor {name!r}: data_offsets {offsets} run backwards")
     return dtype, tuple(shape), start, stop  # type: ignore[return-value]
 
 
@@ -414,11 +406,11 @@ def _tensor(name: str, dtype: PayloadDType, shape: tuple[int, ...], data: bytes)
     # The header counts F4 elements, as TensorBytes does (two a byte).
     expected_bits = ITEM_BITS[dtype] * math.prod(shape)
     if expected_bits != 8 * len(data):
-        raise ValueError(
+        raise FormatError(
             f"tensor {name!r}: {dtype} of shape {list(shape)} needs {expected_bits // 8} bytes, "
             f"its offsets give {len(data)}"
         )
     try:
         return TensorBytes(dtype=dtype, shape=shape, data=data)
-    except ValueError as exc:
-        raise ValueError(f"tensor {name!r}: {exc}") from None
+    except ValueError as exc:  # TensorBytes' own validation of the header's values
+        raise FormatError(f"tensor {name!r}: {exc}") from None

@@ -13,16 +13,13 @@ optimizer, and everyone merges the result without stopping.
             session.step(samples=tokens_in(batch))
 """
 
-from gradientmail.clock import Clock, MonotonicClock
-from gradientmail.core.algorithm import DiLoCo
-from gradientmail.core.errors import (
-    ConfigMismatch,
-    FormatError,
-    NonFinite,
-    ProtocolError,
-    SchemaMismatch,
-)
-from gradientmail.events import (
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from gradientmail._clock import Clock, MonotonicClock
+from gradientmail._events import (
     Callback,
     Claimed,
     Clipped,
@@ -43,9 +40,31 @@ from gradientmail.events import (
     combined,
     log_events,
 )
-from gradientmail.mailbox import BadKey, Mailbox, MailboxError, ObjectInfo, TransientMailboxError
-from gradientmail.session import Session, align
-from gradientmail.urls import mailbox_from_url
+from gradientmail._session import Session, align
+from gradientmail.core.algorithm import DiLoCo
+from gradientmail.core.errors import (
+    ConfigMismatch,
+    FormatError,
+    GradientmailError,
+    NonFinite,
+    ProtocolError,
+    RejectedObject,
+    SchemaMismatch,
+)
+from gradientmail.core.signing import Keyring
+from gradientmail.mailboxes import (
+    BadKey,
+    DirectoryMailbox,
+    Mailbox,
+    MailboxError,
+    MemoryMailbox,
+    ObjectInfo,
+    TransientMailboxError,
+    mailbox_from_url,
+)
+
+if TYPE_CHECKING:
+    from gradientmail.mailboxes import ObjectStoreMailbox
 
 __all__ = [
     "BadKey",
@@ -56,24 +75,30 @@ __all__ = [
     "Committed",
     "ConfigMismatch",
     "DiLoCo",
+    "DirectoryMailbox",
     "Event",
     "Excluded",
     "Failed",
     "FormatError",
+    "GradientmailError",
     "Joined",
     "JsonLines",
+    "Keyring",
     "LeaseExpired",
     "Left",
     "Mailbox",
     "MailboxError",
+    "MemoryMailbox",
     "Merged",
     "MonotonicClock",
     "NonFinite",
     "ObjectInfo",
+    "ObjectStoreMailbox",
     "ProtocolError",
     "Published",
     "Rebased",
     "Rejected",
+    "RejectedObject",
     "Retried",
     "SchemaMismatch",
     "Session",
@@ -86,3 +111,9 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ObjectStoreMailbox":  # needs obstore (the ``s3`` extra)
+        return importlib.import_module("gradientmail.mailboxes").ObjectStoreMailbox
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

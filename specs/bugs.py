@@ -1,80 +1,134 @@
-"""Planted bugs (design Decision 12): each swaps one rule for a broken variant, so the tests can
-show that the stateful machine and the explorer catch it.
+"""Planted bugs (Decision 12): the one registry of broken rule variants.
 
-- ``commit-not-create-only``: the commit record is written with put semantics, so a slow
-  closer overwrites the commit of a closer that took over (breaks "a round commits once").
-- ``rebase-included``: the learner ignores whether the commit included its snapshot and
-  rebases it anyway (breaks "no snapshot both included and rebased" and sample accounting).
-- ``no-readback``: a create whose first try failed transiently is not read back; a taken key
-  means "someone else's" (a closer deletes the payloads of its own, landed commit).
+Each entry is a ``Rules`` with one rule function swapped for a broken variant, passed to the
+code under test as an argument: the Hypothesis machines (tests/core/test_stateful.py) and the
+explorer give it to the world's nodes, the simulator (sim/) to its ``Node``s. Each must be
+caught by all three, on the property it breaks (``BROKEN``).
+
+- ``commit-overwrite``: the closer deletes the round's commit key before creating its record,
+  so its write overwrites a commit another closer made (breaks "a round commits once").
+- ``rebase-included``: the learner ignores whether the commit counted its snapshot and rebases
+  it anyway (its samples count twice).
+- ``no-readback``: a create that failed in transit is never read back, so a taken key always
+  means another writer's: a closer deletes the payloads of its own landed commit, a node
+  rebases the snapshot the round counted.
 - ``no-takeover``: no later attempt is ever opened: a closer that dies after its claim leaves
   the round open forever (a liveness bug).
-- ``no-takeover-timeout``: takeover without waiting (``takeover=0``): every candidate claims
-  at once and later attempts open as soon as a claim is seen. Safety rests on create-only
-  commits, so only the duplicate-work property notices it.
-- ``skip-forgets``: a real bug the random walk found, kept as a planted one: a reader that
-  skips commits whose parameters were collected judges its snapshot by the newest commit alone
-  (rebasing progress an earlier, skipped commit counted) and never tells its syncer that the
-  skipped rounds committed (it watches them forever).
+- ``takeover-now``: takeover without waiting (Decision 2's timeout disabled): every candidate
+  claims at once; safety rests on create-only commits, so it shows as wasted, racing claims.
+- ``skip-forgets``: a real bug the random walk found: a reader that skips commits whose
+  parameters were collected judges its snapshot by the newest commit alone, rebasing progress
+  an earlier, skipped commit counted.
+- ``gc-too-early``: collection ignores ``keep``: it deletes the fragment's previous round as
+  soon as a round commits (readers one round behind, and the audit, find payloads gone that the
+  rule keeps).
+- ``chain-skips``: the chain walk reads every other round going forward, so a node joining a
+  run loads a commit older than the newest.
 """
 
 from __future__ import annotations
 
-from gradientmail.core import learner as learner_rules
-from gradientmail.core import syncer as syncer_rules
+from typing import Any
+
+import attrs
+
+from gradientmail.core import chain, closing, keys, learner
+from gradientmail.core.algorithm import DiLoCo
+from gradientmail.core.effects import (
+    CommitRead,
+    CreateCommit,
+    Created,
+    Delete,
+    Effect,
+    HeadRead,
+    ReadCommit,
+    Wait,
+)
 from gradientmail.core.learner import LearnerState
-from gradientmail.core.leases import Leases
-from specs.config import Config
+from gradientmail.core.records import Commit
+from gradientmail.core.rules import RULES, Rules
 
-__all__ = ["commit_overwrites", "decide", "forgets_skipped", "on_commit", "skips_readback"]
-
-
-def on_commit(
-    config: Config, state: LearnerState, *, round: int, included: bool, counted: bool
-) -> tuple[LearnerState, list[learner_rules.Effect]]:
-    """``rules.on_commit`` as the shell calls it, or a variant. ``included``: whether this commit
-    itself counts the node's snapshot in flight; ``counted``: whether it or a commit the node
-    skipped to reach it does (what the shell's learner passes)."""
-    if "skip-forgets" not in config.bugs:
-        included = counted
-    if "rebase-included" in config.bugs:
-        included = False
-    return learner_rules.on_commit(state, config.algorithm, round=round, included=included)
+__all__ = ["BROKEN", "BUGS", "rules_for"]
 
 
-def forgets_skipped(config: Config) -> bool:
-    return "skip-forgets" in config.bugs
+def _overwrite(commit: Commit) -> list[Effect]:
+    return [Delete(keys=(keys.commit(commit.round),)), CreateCommit(commit=commit)]
 
 
-def skips_readback(config: Config) -> bool:
-    return "no-readback" in config.bugs
+def _rebase_included(
+    state: LearnerState, algorithm: DiLoCo, *, round: int, included: bool
+) -> tuple[LearnerState, list[learner.Effect]]:
+    return learner.on_commit(state, algorithm, round=round, included=False)
 
 
-def commit_overwrites(config: Config) -> bool:
-    return "commit-not-create-only" in config.bugs
+def _no_readback(created: Created, nonce: str) -> bool:
+    return created.outcome == "created"
 
 
-def decide(
-    config: Config,
-    view: syncer_rules.RoundView,
-    watch: syncer_rules.RoundWatch,
-    leases: Leases,
-    *,
-    me: str,
-    now: float,
-) -> tuple[syncer_rules.RoundWatch, syncer_rules.Decision]:
-    takeover = 0 if "no-takeover-timeout" in config.bugs else config.takeover
-    watch, decision = syncer_rules.decide(
-        view,
-        watch,
-        leases,
-        me=me,
-        algorithm=config.algorithm,
-        now=now,
-        lease_timeout=config.lease_timeout,
-        takeover=takeover,
-    )
-    takes_over = isinstance(decision, syncer_rules.ClaimRound) and decision.attempt > 0
-    if "no-takeover" in config.bugs and takes_over:
-        return watch, syncer_rules.Wait(until=None, reason="planted bug: no takeover")
+def _no_takeover(*args: Any, **kwargs: Any) -> tuple[closing.RoundWatch, closing.Decision]:
+    watch, decision = closing.decide(*args, **kwargs)
+    if isinstance(decision, closing.ClaimRound) and decision.attempt > 0:
+        return watch, Wait(until=None, reason="planted bug: no takeover")
     return watch, decision
+
+
+def _takeover_now(*args: Any, **kwargs: Any) -> tuple[closing.RoundWatch, closing.Decision]:
+    return closing.decide(*args, **{**kwargs, "takeover": 0.0})
+
+
+def _skip_forgets(
+    counted: frozenset[tuple[str, str]], skipped: Commit, newest: Commit
+) -> frozenset[tuple[str, str]]:
+    return frozenset((i.node, i.nonce) for i in newest.included)
+
+
+def _gc_too_early(algorithm: DiLoCo, committed: int, *, keep: int = 2) -> int | None:
+    old = committed - algorithm.fragments
+    return old if old >= 0 else None
+
+
+def _chain_skips(
+    walk: chain.Walk, result: HeadRead | CommitRead
+) -> tuple[chain.Walk, list[Effect]]:
+    walk, effects = chain.advance(walk, result)
+    if walk.phase != "forward":
+        return walk, effects
+    K = walk.algorithm.fragments
+    return walk, [
+        attrs.evolve(e, round=e.round + K) if isinstance(e, ReadCommit) else e for e in effects
+    ]
+
+
+BUGS: dict[str, Rules] = {
+    "commit-overwrite": attrs.evolve(RULES, name="commit-overwrite", commit=_overwrite),
+    "rebase-included": attrs.evolve(RULES, name="rebase-included", on_commit=_rebase_included),
+    "no-readback": attrs.evolve(RULES, name="no-readback", ours=_no_readback),
+    "no-takeover": attrs.evolve(RULES, name="no-takeover", decide=_no_takeover),
+    "takeover-now": attrs.evolve(RULES, name="takeover-now", decide=_takeover_now),
+    "skip-forgets": attrs.evolve(RULES, name="skip-forgets", counted=_skip_forgets),
+    "gc-too-early": attrs.evolve(RULES, name="gc-too-early", collectable=_gc_too_early),
+    "chain-skips": attrs.evolve(RULES, name="chain-skips", walk=_chain_skips),
+}
+
+BROKEN: dict[str, str] = {
+    "commit-overwrite": "commit-once",
+    "rebase-included": "samples-once",
+    "no-readback": "included-exist",
+    "no-takeover": "eventually-committed",
+    "takeover-now": "single-claim",
+    "skip-forgets": "samples-once",
+    "gc-too-early": "included-exist",
+    "chain-skips": "join-newest",
+}
+"""The property each planted bug breaks (the explorer's and the machines' invariant names)."""
+
+
+def rules_for(bugs: frozenset[str] | None) -> Rules:
+    """The rules with the planted bug ``bugs`` names switched on (at most one), else the real
+    ones."""
+    if not bugs:
+        return RULES
+    if len(bugs) > 1:
+        raise ValueError(f"plant one bug at a time, got {sorted(bugs)}")
+    (name,) = bugs
+    return BUGS[name]

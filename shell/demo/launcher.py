@@ -153,9 +153,9 @@ def config_of(args: argparse.Namespace) -> GPTConfig:
 
 
 def _audit(url: str) -> str:
-    """One line on ``gradientmail.testing.audit`` of the run; ``DemoError`` on a violation."""
+    """One line on ``gradientmail.testing._audit`` of the run; ``DemoError`` on a violation."""
     from gradientmail import mailbox_from_url
-    from gradientmail.run import keyring_from
+    from gradientmail._secrets import keyring_from
     from gradientmail.testing import AuditError, audit
 
     try:

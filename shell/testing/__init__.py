@@ -1,11 +1,22 @@
-"""Test helpers that ship with the library: the mailbox conformance suite, the run audit,
-virtual time and the simulator.
+"""What users of the library test with: the mailbox conformance suite every store must pass
+(``check_mailbox``), the audit of a run's invariants from its records (``audit``), and virtual
+time (``VirtualClock``, ``NodeClock``, ``Scheduler``) to run nodes in one thread.
 
-``check_mailbox`` and ``audit`` are importable from here; the rest lives in submodules so that
-importing ``gradientmail.testing`` pulls in no framework.
+Importing ``gradientmail.testing`` pulls in no framework.
 """
 
-from gradientmail.testing.audit import AuditError, AuditReport, audit
-from gradientmail.testing.mailbox import check_mailbox
+from gradientmail.testing._audit import AuditError, AuditReport, audit, audit_async
+from gradientmail.testing._conformance import check_mailbox
+from gradientmail.testing._virtual import Crashed, NodeClock, Scheduler, VirtualClock
 
-__all__ = ["AuditError", "AuditReport", "audit", "check_mailbox"]
+__all__ = [
+    "AuditError",
+    "AuditReport",
+    "Crashed",
+    "NodeClock",
+    "Scheduler",
+    "VirtualClock",
+    "audit",
+    "audit_async",
+    "check_mailbox",
+]

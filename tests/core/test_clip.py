@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gradientmail.core import syncer as rules
+from gradientmail.core import closing as rules
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.records import Included
 from gradientmail.core.robust import clip_scales, needs_norms, outliers

@@ -140,7 +140,7 @@ def test_core_module_is_pure(path: Path) -> None:
         ),
         ("from gradientmail.session import Session", ["1: from gradientmail.session import ..."]),
         ("from gradientmail import session", ["1: from gradientmail import session"]),
-        ("import gradientmail.clock", ["1: import gradientmail.clock"]),
+        ("import gradientmail._clock", ["1: import gradientmail._clock"]),
         ("from . import keys", ["1: relative import (use gradientmail.core paths)"]),
         ("data = open('f').read()", ["1: call open()"]),
         ("import asyncio\nasyncio.sleep(1)", ["1: import asyncio", "2: call sleep()"]),

@@ -14,11 +14,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gradientmail.core import syncer as rules
+from gradientmail.core import chain, gc
+from gradientmail.core import closing as rules
 from gradientmail.core.algorithm import DiLoCo
+from gradientmail.core.closing import ClaimRound, Done, RoundView, RoundWatch, Wait
 from gradientmail.core.leases import Leases, Observed
 from gradientmail.core.records import Claim, Included, Snapshot
-from gradientmail.core.syncer import ClaimRound, Done, RoundView, RoundWatch, Wait
 
 NONCE = "0123456789abcdef"
 DIGEST = "cd" * 32
@@ -92,7 +93,7 @@ def first(v: RoundView, ls: Leases, attempt: int = 0, now: float = T0) -> str:
     ("r", "k", "previous"), [(0, 1, -1), (5, 1, 4), (2, 3, -1), (3, 3, 0), (10, 4, 6)]
 )
 def test_previous_round_is_r_minus_k_or_the_manifest(r: int, k: int, previous: int) -> None:
-    assert rules.previous_round(DiLoCo(inner_steps=12, fragments=k), r) == previous
+    assert chain.previous_round(DiLoCo(inner_steps=12, fragments=k), r) == previous
 
 
 def test_a_committed_round_is_done() -> None:
@@ -417,7 +418,7 @@ def test_collectable_keeps_the_fragments_last_rounds(
     k: int, committed: int, keep: int, old: int | None
 ) -> None:
     a = DiLoCo(inner_steps=12, fragments=k)
-    got = rules.collectable(a, committed, keep=keep)
+    got = gc.collectable(a, committed, keep=keep)
     assert got == old
     if got is not None:
         assert (committed - got) % k == 0 and got < committed
@@ -426,7 +427,7 @@ def test_collectable_keeps_the_fragments_last_rounds(
 @pytest.mark.parametrize("keep", [0, -1])
 def test_collectable_refuses_to_keep_nothing(keep: int) -> None:
     with pytest.raises(ValueError, match="keep"):
-        rules.collectable(DiLoCo(inner_steps=12, fragments=2), 10, keep=keep)
+        gc.collectable(DiLoCo(inner_steps=12, fragments=2), 10, keep=keep)
 
 
 @given(st.integers(1, 8), st.integers(0, 7), st.integers(0, 50))

@@ -12,6 +12,7 @@ import safetensors
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gradientmail.core.errors import FormatError
 from gradientmail.core.tensors import (
     F4_BLOCK,
     MAX_HEADER_BYTES,
@@ -279,9 +280,11 @@ def test_f4_header_counts_elements_two_a_byte() -> None:
     ],
 )
 def test_unpack_rejects(blob: bytes, message: str) -> None:
+    # Untrusted bytes are rejected with FormatError (a ValueError) and nothing else: no
+    # IndexError, KeyError or other ValueError that a bug of ours could raise.
     with pytest.raises(ValueError, match=message) as info:
         unpack(blob)
-    assert type(info.value) is ValueError
+    assert type(info.value) is FormatError
 
 
 # Value types

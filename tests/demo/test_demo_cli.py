@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from gradientmail._secrets import SECRET_ENV, SECRET_FILE_ENV
 from gradientmail.demo.plot import plot_curves, plot_nodes
 from gradientmail.demo.processes import (
     MARKER,
@@ -20,7 +21,6 @@ from gradientmail.demo.processes import (
     prepare_directory,
 )
 from gradientmail.demo.progress import Display, Follower, human_bytes, render
-from gradientmail.run import SECRET_ENV, SECRET_FILE_ENV
 
 
 def cli(
@@ -29,7 +29,7 @@ def cli(
     """Run the command line in a fresh process, with no run secret in its environment."""
     clean = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
     return subprocess.run(
-        [sys.executable, "-m", "gradientmail.cli", *argv],
+        [sys.executable, "-m", "gradientmail.ops._cli", *argv],
         capture_output=True,
         text=True,
         timeout=120,

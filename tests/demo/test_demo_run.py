@@ -39,7 +39,7 @@ def demo(tmp_path: Path, *argv: str) -> tuple[subprocess.CompletedProcess[str], 
         [
             sys.executable,
             "-m",
-            "gradientmail.cli",
+            "gradientmail.ops._cli",
             "demo",
             "--mailbox",
             (tmp_path / "run").as_uri(),

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gradientmail.testing.s3 import moto_s3, with_prefix
+from gradientmail.testing._s3 import moto_s3, with_prefix
 
 
 @pytest.fixture(scope="session")

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from obstore.store import LocalStore, MemoryStore
 
-from gradientmail.directory import DirectoryMailbox
-from gradientmail.memory import Faults, MemoryMailbox
-from gradientmail.objectstore import ObjectStoreMailbox
-from gradientmail.testing.mailbox import check_mailbox
+from gradientmail.mailboxes._directory import DirectoryMailbox
+from gradientmail.mailboxes._memory import Faults, MemoryMailbox
+from gradientmail.mailboxes._objectstore import ObjectStoreMailbox
+from gradientmail.testing._conformance import check_mailbox
 
 LARGE = 64 * 2**20
 

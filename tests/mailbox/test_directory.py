@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from gradientmail.directory import TEMP_PREFIX, DirectoryMailbox
-from gradientmail.mailbox import MailboxError
+from gradientmail.mailboxes._directory import TEMP_PREFIX, DirectoryMailbox
+from gradientmail.mailboxes._protocol import MailboxError
 
 RACER = """
 import asyncio, json, os, sys
-from gradientmail.directory import DirectoryMailbox
+from gradientmail.mailboxes._directory import DirectoryMailbox
 
 # fsync makes writes durable, not atomic: the race is decided by link(2) either way.
 mailbox = DirectoryMailbox(sys.argv[1], fsync=False)
@@ -34,7 +34,7 @@ print(json.dumps({"pid": os.getpid(), "won": asyncio.run(race())}), flush=True)
 
 WRITER = """
 import asyncio, sys
-from gradientmail.directory import DirectoryMailbox
+from gradientmail.mailboxes._directory import DirectoryMailbox
 
 mailbox = DirectoryMailbox(sys.argv[1])
 data = bytes(range(256)) * (int(sys.argv[3]) // 256)

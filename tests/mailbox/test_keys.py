@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gradientmail.mailbox import (
+from gradientmail.mailboxes._protocol import (
     BadKey,
     MailboxError,
     RequestStats,
@@ -17,7 +17,7 @@ from gradientmail.mailbox import (
     validate_key,
     validate_prefix,
 )
-from gradientmail.testing.mailbox import BAD_KEYS, BAD_PREFIXES
+from gradientmail.testing._conformance import BAD_KEYS, BAD_PREFIXES
 
 CHARSET = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-"
 segments = st.text(CHARSET, min_size=1, max_size=40).filter(lambda s: s not in (".", ".."))

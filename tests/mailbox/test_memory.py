@@ -7,9 +7,9 @@ from collections.abc import Awaitable
 
 import pytest
 
-from gradientmail.mailbox import MailboxError, TransientMailboxError
-from gradientmail.memory import Faults, MemoryMailbox
-from gradientmail.urls import mailbox_from_url
+from gradientmail.mailboxes._memory import Faults, MemoryMailbox
+from gradientmail.mailboxes._protocol import MailboxError, TransientMailboxError
+from gradientmail.mailboxes._urls import mailbox_from_url
 
 
 class ManualClock:

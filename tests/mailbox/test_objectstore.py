@@ -19,9 +19,9 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import pytest
 from obstore.store import MemoryStore, S3Store
 
-from gradientmail.mailbox import MailboxError, TransientMailboxError
-from gradientmail.objectstore import ObjectStoreMailbox, open_store
-from gradientmail.testing.s3 import with_prefix
+from gradientmail.mailboxes._objectstore import ObjectStoreMailbox, open_store
+from gradientmail.mailboxes._protocol import MailboxError, TransientMailboxError
+from gradientmail.testing._s3 import with_prefix
 
 _CONFLICT_BODY = (
     b"<Error><Code>ConditionalRequestConflict</Code><Message>retry the upload</Message></Error>"

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from gradientmail.directory import DirectoryMailbox
-from gradientmail.memory import MemoryMailbox
-from gradientmail.objectstore import ObjectStoreMailbox
-from gradientmail.urls import mailbox_from_url
+from gradientmail.mailboxes._directory import DirectoryMailbox
+from gradientmail.mailboxes._memory import MemoryMailbox
+from gradientmail.mailboxes._objectstore import ObjectStoreMailbox
+from gradientmail.mailboxes._urls import mailbox_from_url
 
 
 def test_paths_and_file_urls_open_directories(

@@ -22,7 +22,7 @@ from gradientmail.core.records import Claim, Lease, Snapshot, to_bytes
 from gradientmail.core.robust import RECORD_BOUND
 from gradientmail.core.signing import Keyring
 from gradientmail.core.tensors import TensorBytes
-from gradientmail.mailbox import Mailbox, ObjectInfo, RequestStats
+from gradientmail.mailboxes._protocol import Mailbox, ObjectInfo, RequestStats
 
 WRONG = Keyring.of(b"not the run secret, but as long.")
 _SNAPSHOT = re.compile(r"rounds/(\d{20})/snapshots/(node-\d+)$")

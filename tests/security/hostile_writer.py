@@ -43,7 +43,7 @@ from gradientmail.core.records import Claim, Lease, Manifest, Snapshot, read_rec
 from gradientmail.core.robust import RECORD_BOUND, snapshot_bound
 from gradientmail.core.signing import Keyring
 from gradientmail.core.tensors import TensorBytes
-from gradientmail.mailbox import Mailbox
+from gradientmail.mailboxes._protocol import Mailbox
 
 WRONG = Keyring.of(b"not the run secret, but as long.")
 FAR = 1_000_000  # replayed commits go this many rounds past their own: the run never gets there

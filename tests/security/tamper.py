@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from gradientmail.mailbox import Mailbox, ObjectInfo, RequestStats
+from gradientmail.mailboxes._protocol import Mailbox, ObjectInfo, RequestStats
 
 Transform = Callable[[bytes], bytes]
 

@@ -19,7 +19,7 @@ from gradientmail.core import keys  # noqa: E402
 from gradientmail.core.envelope import seal, unseal  # noqa: E402
 from gradientmail.core.records import Lease, Snapshot, read_record, to_bytes  # noqa: E402
 from gradientmail.core.signing import Keyring  # noqa: E402
-from gradientmail.memory import MemoryMailbox  # noqa: E402
+from gradientmail.mailboxes._memory import MemoryMailbox  # noqa: E402
 from gradientmail.testing import AuditError, audit  # noqa: E402
 
 WRONG = Keyring.of(THIRD)

@@ -23,7 +23,9 @@ from examples import OLD, RECORDS, schema
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradientmail.clock import MonotonicClock
+from gradientmail._clock import MonotonicClock
+from gradientmail._node.exchange import Exchange
+from gradientmail._node.payloads import read_fragment
 from gradientmail.core import keys
 from gradientmail.core.codecs import compress, decompress, max_packed_size
 from gradientmail.core.envelope import payload_digest, seal, unseal
@@ -41,9 +43,7 @@ from gradientmail.core.records import (
 )
 from gradientmail.core.signing import Keyring
 from gradientmail.core.tensors import TensorBytes, unpack
-from gradientmail.exchange import Exchange
-from gradientmail.memory import MemoryMailbox
-from gradientmail.run import read_fragment
+from gradientmail.mailboxes._memory import MemoryMailbox
 
 torch = pytest.importorskip("torch")
 from gradientmail.adapters.torch import TorchBackend  # noqa: E402

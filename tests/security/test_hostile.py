@@ -23,20 +23,20 @@ from hostile import HostileMailbox  # noqa: E402
 from virtual_run import committed_rounds, make_model, parameters, run_nodes  # noqa: E402
 
 from gradientmail import align, mailbox_from_url  # noqa: E402
+from gradientmail._clock import MonotonicClock  # noqa: E402
+from gradientmail._events import Excluded, Rejected  # noqa: E402
+from gradientmail._node.exchange import Exchange  # noqa: E402
+from gradientmail._secrets import SECRET_ENV, SECRET_FILE_ENV  # noqa: E402
 from gradientmail.adapters.torch import (  # noqa: E402
     TorchAdapter,
     TorchBackend,
 )
-from gradientmail.clock import MonotonicClock  # noqa: E402
 from gradientmail.core import keys  # noqa: E402
 from gradientmail.core.robust import snapshot_bound  # noqa: E402
 from gradientmail.core.signing import Keyring  # noqa: E402
-from gradientmail.events import Excluded, Rejected  # noqa: E402
-from gradientmail.exchange import Exchange  # noqa: E402
-from gradientmail.mailbox import Mailbox  # noqa: E402
-from gradientmail.memory import MemoryMailbox  # noqa: E402
-from gradientmail.run import SECRET_ENV, SECRET_FILE_ENV  # noqa: E402
-from gradientmail.testing.audit import audit  # noqa: E402
+from gradientmail.mailboxes._memory import MemoryMailbox  # noqa: E402
+from gradientmail.mailboxes._protocol import Mailbox  # noqa: E402
+from gradientmail.testing._audit import audit  # noqa: E402
 
 HONEST = {"node-0", "node-1", "node-2"}
 

@@ -13,8 +13,10 @@ from examples import KEYRING  # noqa: E402
 from tamper import TamperingMailbox, flip, truncate  # noqa: E402
 from virtual_run import ALGORITHM, committed_rounds, make_model, run_nodes  # noqa: E402
 
+from gradientmail._clock import MonotonicClock  # noqa: E402
+from gradientmail._events import Event, Excluded, Rebased, Rejected  # noqa: E402
+from gradientmail._node.exchange import Exchange  # noqa: E402
 from gradientmail.adapters.torch import TorchAdapter, TorchBackend  # noqa: E402
-from gradientmail.clock import MonotonicClock  # noqa: E402
 from gradientmail.core import keys  # noqa: E402
 from gradientmail.core.codecs import compress  # noqa: E402
 from gradientmail.core.envelope import payload_digest, seal  # noqa: E402
@@ -23,10 +25,8 @@ from gradientmail.core.fragments import partition  # noqa: E402
 from gradientmail.core.records import Commit, Snapshot, to_bytes  # noqa: E402
 from gradientmail.core.signing import Keyring  # noqa: E402
 from gradientmail.core.tensors import TensorBytes  # noqa: E402
-from gradientmail.events import Event, Excluded, Rebased, Rejected  # noqa: E402
-from gradientmail.exchange import Exchange  # noqa: E402
-from gradientmail.mailbox import Mailbox  # noqa: E402
-from gradientmail.memory import MemoryMailbox  # noqa: E402
+from gradientmail.mailboxes._memory import MemoryMailbox  # noqa: E402
+from gradientmail.mailboxes._protocol import Mailbox  # noqa: E402
 
 WRONG = Keyring.of(b"a forger's guess at the secret..")
 PARAMS = r"rounds/{:020d}/params-[0-9a-f]{{16}}"
@@ -81,8 +81,11 @@ class Run:
         async def before(store: MemoryMailbox) -> None:
             await store.create(keys.snapshot(0, "node-2"), forged_snapshot("node-2", 0))
 
+        # Polls off node-2's step times: its fifth step (1.7 s) publishes into round 0, whose
+        # key the forgery squats, before a poll finds round 0's commit (closed at 1.35 s); a
+        # poll at exactly 1.7 s would race the step and merge the commit first.
         self.store, self.events, self.models, _ = run_nodes(
-            wrap=wrap, before=before, keyring=KEYRING
+            wrap=wrap, before=before, keyring=KEYRING, poll_interval=0.55
         )
         self.commits = asyncio.run(self._commits())
 
@@ -155,7 +158,7 @@ def test_a_corrupt_outer_state_delays_the_round_but_never_breaks_it(run: Run) ->
 
 
 def test_every_commit_verifies_and_params_derive_from_the_listed_snapshots(run: Run) -> None:
-    from gradientmail.testing.audit import audit
+    from gradientmail.testing._audit import audit
 
     # run.commits were read with the run's keyring: every commit record verified.
     assert sorted(run.commits) == committed_rounds(run.events)

@@ -13,14 +13,16 @@ from examples import KEYRING, NEW, OLD, THIRD  # noqa: E402
 from virtual_run import ALGORITHM, committed_rounds, make_model, run_nodes  # noqa: E402
 
 from gradientmail import ProtocolError, Session, align  # noqa: E402
+from gradientmail._clock import MonotonicClock  # noqa: E402
+from gradientmail._node import Node  # noqa: E402
+from gradientmail._node.exchange import Exchange  # noqa: E402
+from gradientmail._node.joining import resign_manifest  # noqa: E402
+from gradientmail._secrets import SECRET_ENV, SECRET_FILE_ENV  # noqa: E402
 from gradientmail.adapters.torch import TorchAdapter  # noqa: E402
-from gradientmail.clock import MonotonicClock  # noqa: E402
 from gradientmail.core import keys  # noqa: E402
 from gradientmail.core.errors import FormatError  # noqa: E402
 from gradientmail.core.signing import Keyring  # noqa: E402
-from gradientmail.exchange import Exchange  # noqa: E402
-from gradientmail.memory import MemoryMailbox  # noqa: E402
-from gradientmail.run import SECRET_ENV, SECRET_FILE_ENV, create_or_join, resign_manifest  # noqa: E402
+from gradientmail.mailboxes._memory import MemoryMailbox  # noqa: E402
 
 QUICK = {"poll_interval": 0.05, "lease_every": 0.2, "lease_timeout": 1.0, "callbacks": ()}
 
@@ -33,9 +35,15 @@ def no_secret_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def created(keyring: Keyring | None) -> MemoryMailbox:
     mailbox = MemoryMailbox()
-    exchange = Exchange(mailbox, MonotonicClock(), keyring=keyring)
-    adapter = TorchAdapter(make_model())
-    asyncio.run(create_or_join(exchange, adapter, ALGORITHM, node="creator", compression="off"))
+    creator = Node(
+        TorchAdapter(make_model()),
+        algorithm=ALGORITHM,
+        mailbox=mailbox,
+        clock=MonotonicClock(),
+        learner_id="creator",
+        keyring=keyring,
+    )
+    asyncio.run(creator.join())  # creates the run; it starts no loop, so it writes no lease
     return mailbox
 
 
@@ -107,9 +115,9 @@ async def _signers(store: MemoryMailbox, rounds: list[int]) -> set[str]:
 
 
 def test_a_forged_lease_under_a_nodes_id_does_not_keep_it_out() -> None:
+    from gradientmail._events import Joined, Rejected
     from gradientmail.core.envelope import seal
     from gradientmail.core.records import Lease, to_bytes
-    from gradientmail.events import Joined, Rejected
 
     forged = Lease(node="node-1", nonce="e" * 16, counter=7)
 

@@ -16,8 +16,10 @@ torch = pytest.importorskip("torch")
 from tamper import TamperingMailbox  # noqa: E402
 from virtual_run import ALGORITHM, committed_rounds, run_nodes  # noqa: E402
 
+from gradientmail._clock import MonotonicClock  # noqa: E402
+from gradientmail._events import Clipped, Excluded  # noqa: E402
+from gradientmail._node.exchange import Exchange  # noqa: E402
 from gradientmail.adapters.torch import TorchBackend  # noqa: E402
-from gradientmail.clock import MonotonicClock  # noqa: E402
 from gradientmail.core import keys  # noqa: E402
 from gradientmail.core.codecs import compress, decompress  # noqa: E402
 from gradientmail.core.envelope import payload_digest, seal, unseal  # noqa: E402
@@ -35,11 +37,9 @@ from gradientmail.core.robust import (  # noqa: E402
     oversized,
     snapshot_bound,
 )
-from gradientmail.events import Clipped, Excluded  # noqa: E402
-from gradientmail.exchange import Exchange  # noqa: E402
-from gradientmail.mailbox import Mailbox  # noqa: E402
-from gradientmail.memory import MemoryMailbox  # noqa: E402
-from gradientmail.testing.audit import audit  # noqa: E402
+from gradientmail.mailboxes._memory import MemoryMailbox  # noqa: E402
+from gradientmail.mailboxes._protocol import Mailbox  # noqa: E402
+from gradientmail.testing._audit import audit  # noqa: E402
 
 
 def included(node: str, steps: int = 10) -> Included:

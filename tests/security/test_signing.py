@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from examples import NEW, OLD, RECORDS, THIRD
 
+from gradientmail._secrets import SECRET_ENV, SECRET_FILE_ENV, keyring_from
 from gradientmail.core.errors import FormatError
 from gradientmail.core.records import Record, canonical, read_record, to_bytes
 from gradientmail.core.signing import MIN_SECRET_BYTES, Keyring
-from gradientmail.run import SECRET_ENV, SECRET_FILE_ENV, keyring_from
 
 ids = [type(r).__name__ for r in RECORDS]
 

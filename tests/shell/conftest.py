@@ -27,7 +27,7 @@ def cluster_factory(tmp_path: Path) -> Iterator[type[Cluster]]:
 
 @pytest.fixture(scope="session")
 def s3_url() -> Iterator[str]:
-    from gradientmail.testing.s3 import moto_s3
+    from gradientmail.testing._s3 import moto_s3
 
     with moto_s3() as url:
         yield url

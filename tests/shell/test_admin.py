@@ -12,16 +12,16 @@ pytest.importorskip("torch")
 from virtual_run import committed_rounds, make_model, run_nodes
 
 from gradientmail import DiLoCo, ProtocolError, align
+from gradientmail._secrets import SECRET_ENV, SECRET_FILE_ENV
 from gradientmail.adapters.torch import TorchBackend
-from gradientmail.admin import collect, status
 from gradientmail.core import keys
 from gradientmail.core.envelope import seal
 from gradientmail.core.records import Claim, Commit, Included, Lease, PayloadRef, to_bytes
 from gradientmail.core.signing import Keyring
-from gradientmail.mailbox import Mailbox
-from gradientmail.memory import MemoryMailbox
-from gradientmail.run import SECRET_ENV, SECRET_FILE_ENV
-from gradientmail.testing.audit import audit
+from gradientmail.mailboxes._memory import MemoryMailbox
+from gradientmail.mailboxes._protocol import Mailbox
+from gradientmail.ops._admin import collect, status
+from gradientmail.testing._audit import audit
 
 ALGORITHM = DiLoCo(inner_steps=10, fragments=2, overlap_steps=1, grace=5.0)
 
@@ -70,7 +70,7 @@ def test_the_cli_reports_status_and_collects(tmp_path, capsys) -> None:  # type:
     import json
 
     from gradientmail import Session, mailbox_from_url
-    from gradientmail.cli import main
+    from gradientmail.ops._cli import main
 
     url = f"file://{tmp_path / 'run'}"
     quick = {"poll_interval": 0.05, "lease_every": 0.2, "lease_timeout": 1.0}
@@ -196,7 +196,7 @@ def test_the_cli_reads_a_signed_run_with_its_secret(
     import json
 
     from gradientmail import Session, mailbox_from_url
-    from gradientmail.cli import main
+    from gradientmail.ops._cli import main
 
     monkeypatch.delenv(SECRET_ENV, raising=False)
     monkeypatch.delenv(SECRET_FILE_ENV, raising=False)

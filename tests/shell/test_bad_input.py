@@ -19,13 +19,13 @@ from gradientmail import (  # noqa: E402
     align,
     mailbox_from_url,
 )
+from gradientmail._events import Excluded, Rejected  # noqa: E402
 from gradientmail.adapters.torch import TorchBackend  # noqa: E402
 from gradientmail.core import keys  # noqa: E402
 from gradientmail.core.envelope import seal  # noqa: E402
 from gradientmail.core.records import Snapshot, to_bytes  # noqa: E402
-from gradientmail.events import Excluded, Rejected  # noqa: E402
-from gradientmail.memory import Faults, MemoryMailbox  # noqa: E402
-from gradientmail.testing.audit import audit  # noqa: E402
+from gradientmail.mailboxes._memory import Faults, MemoryMailbox  # noqa: E402
+from gradientmail.testing._audit import audit  # noqa: E402
 
 ALGORITHM = DiLoCo(inner_steps=10, fragments=2, overlap_steps=1, grace=5.0)
 QUICK = {"poll_interval": 0.05, "lease_every": 0.2, "lease_timeout": 1.0}

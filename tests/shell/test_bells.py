@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gradientmail.clock import Bell
+from gradientmail._clock import ThreadBell as Bell
 
 torch = pytest.importorskip("torch")
 

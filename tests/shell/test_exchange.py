@@ -12,15 +12,15 @@ from pathlib import Path
 import attrs
 import pytest
 
-from gradientmail.clock import MonotonicClock
+from gradientmail._clock import MonotonicClock
+from gradientmail._node.exchange import Exchange
 from gradientmail.core import keys
 from gradientmail.core.codecs import compress
 from gradientmail.core.envelope import payload_digest
 from gradientmail.core.errors import FormatError
 from gradientmail.core.records import Snapshot
 from gradientmail.core.tensors import TensorBytes
-from gradientmail.exchange import Exchange
-from gradientmail.memory import MemoryMailbox
+from gradientmail.mailboxes._memory import MemoryMailbox
 
 LIMIT = 2**20
 

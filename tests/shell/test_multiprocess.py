@@ -15,12 +15,12 @@ import worker
 from cluster import Cluster
 
 from gradientmail import MonotonicClock, mailbox_from_url
+from gradientmail._node.exchange import Exchange
 from gradientmail.adapters import TorchBackend
 from gradientmail.core import keys
 from gradientmail.core.records import Commit
-from gradientmail.exchange import Exchange
-from gradientmail.testing.audit import audit
-from gradientmail.testing.s3 import with_prefix
+from gradientmail.testing._audit import audit
+from gradientmail.testing._s3 import with_prefix
 
 ALGORITHM = {"inner_steps": 20, "fragments": 2, "overlap_steps": 1, "grace": 3.0}
 

@@ -9,16 +9,17 @@ import asyncio
 import pytest
 import torch
 
+from gradientmail._clock import MonotonicClock
+from gradientmail._node.exchange import Exchange
+from gradientmail._node.payloads import outer_state, read_outer_state
 from gradientmail.adapters.base import Tensors
 from gradientmail.adapters.torch import TorchBackend
-from gradientmail.clock import MonotonicClock
 from gradientmail.core import keys
 from gradientmail.core.errors import FormatError
+from gradientmail.core.payloads import outer_state_schema
 from gradientmail.core.records import Commit, Included, PayloadRef
 from gradientmail.core.tensors import DType, ParameterSpec, Schema, TensorBytes
-from gradientmail.exchange import Exchange
-from gradientmail.memory import MemoryMailbox
-from gradientmail.run import outer_state, outer_state_schema, read_outer_state
+from gradientmail.mailboxes._memory import MemoryMailbox
 
 BACKEND = TorchBackend()
 NONCE = "ab" * 8

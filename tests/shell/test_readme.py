@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from gradientmail.testing.s3 import with_prefix
+from gradientmail.testing._s3 import with_prefix
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 URL = "s3://my-bucket/runs/exp1"

@@ -16,9 +16,9 @@ from virtual_run import (  # noqa: E402
 )
 
 from gradientmail import DiLoCo, align  # noqa: E402
+from gradientmail._events import Merged  # noqa: E402
 from gradientmail.adapters.torch import TorchBackend  # noqa: E402
-from gradientmail.events import Merged  # noqa: E402
-from gradientmail.testing.audit import audit  # noqa: E402
+from gradientmail.testing._audit import audit  # noqa: E402
 
 
 @pytest.mark.parametrize(

@@ -17,12 +17,12 @@ from typing import Any, NamedTuple
 import torch
 
 from gradientmail import DiLoCo
+from gradientmail._events import Committed, Event
+from gradientmail._node import Node
 from gradientmail.core.signing import Keyring
-from gradientmail.events import Committed, Event
-from gradientmail.mailbox import Mailbox
-from gradientmail.memory import Faults, MemoryMailbox
-from gradientmail.session import Node
-from gradientmail.testing.virtual import Scheduler, VirtualClock
+from gradientmail.mailboxes._memory import Faults, MemoryMailbox
+from gradientmail.mailboxes._protocol import Mailbox
+from gradientmail.testing import Scheduler, VirtualClock
 
 ALGORITHM = DiLoCo(inner_steps=10, fragments=2, overlap_steps=1, grace=5.0)
 
@@ -98,9 +98,8 @@ def run_nodes(
         )
         await clock.sleep(0.1 * i)
         await node.join()
-        assert node.learner is not None and node.syncer is not None
-        scheduler.spawn(f"learner-{i}", node.learner.run())
-        scheduler.spawn(f"syncer-{i}", node.syncer.run())
+        for name, loop in node.loops():
+            scheduler.spawn(f"{name}-{i}", loop)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05 if lrs is None else lrs[i])
         generator = torch.Generator().manual_seed(100 + i)
         for _ in range(steps):
@@ -110,13 +109,8 @@ def run_nodes(
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            node.learner.advance(16)
-            while node.learner.blocked() is not None:
-                await clock.sleep(0.1)
-        node.begin_close()
-        while not node.learner.done:
-            await clock.sleep(0.1)
-        node.finish()
+            await node.step(16)
+        await node.close()
 
     async def start() -> None:
         if before is not None:

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from gradientmail import DiLoCo, JsonLines, Session, mailbox_from_url
-from gradientmail.mailbox import Mailbox, ObjectInfo
+from gradientmail.mailboxes._protocol import Mailbox, ObjectInfo
 
 IN, HIDDEN = 8, 32
 

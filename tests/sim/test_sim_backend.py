@@ -14,7 +14,7 @@ import pytest
 from gradientmail.adapters.base import Backend
 from gradientmail.core.errors import NonFinite
 from gradientmail.core.tensors import Schema, SchemaMismatch, TensorBytes
-from gradientmail.testing.sim_backend import FloatBackend, FloatModel, Vector
+from sim.sim_backend import FloatBackend, FloatModel, Vector
 
 torch = pytest.importorskip("torch")
 from gradientmail.adapters.torch import TorchBackend  # noqa: E402

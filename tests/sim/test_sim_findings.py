@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from gradientmail.testing.sim_config import SimConfig
-from gradientmail.testing.sim_world import Outcome, simulate
-from gradientmail.testing.simulate import replay_command, run_seed
+from sim.sim_config import SimConfig
+from sim.sim_world import Outcome, simulate
+from sim.simulate import replay_command, run_seed
 
 # A small, fast cluster: 4 nodes, short leases, a round every 8 steps of 0.2 s.
 BASE: dict[str, Any] = {

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from gradientmail.testing.sim_config import SimConfig, swarm
-from gradientmail.testing.sim_world import Outcome, simulate
-from gradientmail.testing.simulate import Summary, main, run_seed
+from sim.sim_config import SimConfig, swarm
+from sim.sim_world import Outcome, simulate
+from sim.simulate import Summary, main, run_seed
 
 # CI: 8 nodes, 6 rounds each, 60 seeds: about 25 s of CPU (a few times that in wall time on a
 # loaded 2-core machine). The issue's 200 seeds: GRADIENTMAIL_SIM_SEEDS=200.
@@ -40,10 +40,7 @@ def test_a_seed_replays_bit_for_bit_in_another_process() -> None:
     other = run_seed(6, nodes=4, rounds=4)
     assert other.digest != first.digest
     # A fresh interpreter with another string-hash seed: no set or dict order leaks in.
-    code = (
-        "from gradientmail.testing.simulate import run_seed;"
-        "print(run_seed(5, nodes=4, rounds=4).digest)"
-    )
+    code = "from sim.simulate import run_seed;print(run_seed(5, nodes=4, rounds=4).digest)"
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
@@ -131,7 +128,7 @@ def test_a_violation_is_reported_shrunk_with_a_replay_command(
     assert "VIOLATION in seed 0:" in out and "[rebased-included]" in out
     assert "configuration: seed=0 nodes=4" in out and "shrunk with" in out
     replay = next(line for line in out.splitlines() if line.strip().startswith("replay:"))
-    argv = replay.split("python -m gradientmail.testing.simulate ")[1].split()
+    argv = replay.split("python -m sim.simulate ")[1].split()
     assert "--plant" in argv and "rebase-included" in argv
     assert time.perf_counter() - started < 120
     assert main(argv) == 1
@@ -156,7 +153,7 @@ def test_thorough_swarm_batch() -> None:
     node-rounds per CPU second measured at 64 nodes (fewer at 256) that is upward of 20
     CPU-minutes a seed: run it sharded over many machines, e.g.
 
-        python -m gradientmail.testing.simulate --nodes 256 --rounds 200 --seeds 100 \\
+        python -m sim.simulate --nodes 256 --rounds 200 --seeds 100 \\
             --first-seed $((SHARD * 100))
     """
     seeds = int(os.environ.get("GRADIENTMAIL_SIM_SEEDS", "10000"))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gradientmail.testing.sim_scheduler import NodeClock, Scheduler, SimClock
+from gradientmail.testing import NodeClock, Scheduler
+from gradientmail.testing import VirtualClock as SimClock
 
 
 def make(seed: int = 0) -> tuple[SimClock, Scheduler, list[tuple[float, str]]]:
@@ -25,7 +26,9 @@ def test_time_jumps_to_the_next_wake_up_and_ties_follow_the_seed() -> None:
     for seed in range(8):
         clock, scheduler, log = make(seed)
         for name in "abc":
-            scheduler.spawn(scheduler.process(name), name, ticker(clock, log, name, 1.0, 2))
+            scheduler.spawn(
+                name, process=scheduler.process(name), coroutine=ticker(clock, log, name, 1.0, 2)
+            )
         scheduler.run(until=100)
         assert [t for t, _ in log] == [1.0] * 3 + [2.0] * 3
         assert clock.time == 2.0  # no idle time advanced past the last task
@@ -38,7 +41,9 @@ def test_the_same_seed_replays_the_same_digest() -> None:
     for seed in (3, 3, 4):
         clock, scheduler, log = make(seed)
         for name in "abcd":
-            scheduler.spawn(scheduler.process(name), name, ticker(clock, log, name, 0.5, 3))
+            scheduler.spawn(
+                name, process=scheduler.process(name), coroutine=ticker(clock, log, name, 0.5, 3)
+            )
         scheduler.run(until=100)
         digests.append(scheduler.digest)
     assert digests[0] == digests[1] != digests[2]
@@ -47,9 +52,9 @@ def test_the_same_seed_replays_the_same_digest() -> None:
 def test_a_pause_holds_every_task_of_the_process_and_only_those() -> None:
     clock, scheduler, log = make()
     paused, other = scheduler.process("p"), scheduler.process("q")
-    scheduler.spawn(paused, "p1", ticker(clock, log, "p1", 1.0, 3))
-    scheduler.spawn(paused, "p2", ticker(clock, log, "p2", 1.5, 2))
-    scheduler.spawn(other, "q", ticker(clock, log, "q", 1.0, 3))
+    scheduler.spawn("p1", process=paused, coroutine=ticker(clock, log, "p1", 1.0, 3))
+    scheduler.spawn("p2", process=paused, coroutine=ticker(clock, log, "p2", 1.5, 2))
+    scheduler.spawn("q", process=other, coroutine=ticker(clock, log, "q", 1.0, 3))
     scheduler.run(until=1.2)
     scheduler.pause(paused, 10.0)
     scheduler.run(until=100)
@@ -60,22 +65,22 @@ def test_a_pause_holds_every_task_of_the_process_and_only_those() -> None:
 def test_a_crash_drops_every_task_where_it_stands() -> None:
     clock, scheduler, log = make()
     victim = scheduler.process("v")
-    task = scheduler.spawn(victim, "v", ticker(clock, log, "v", 1.0, 5))
-    scheduler.spawn(scheduler.process("w"), "w", ticker(clock, log, "w", 1.0, 5))
+    task = scheduler.spawn("v", process=victim, coroutine=ticker(clock, log, "v", 1.0, 5))
+    scheduler.spawn("w", process=scheduler.process("w"), coroutine=ticker(clock, log, "w", 1.0, 5))
     scheduler.run(until=2.5)
     scheduler.crash(victim)
     scheduler.run(until=100)
     assert [t for t, n in log if n == "v"] == [1.0, 2.0]
     assert len([n for _, n in log if n == "w"]) == 5
     assert task.done and task.error is None and scheduler.errors == []
-    late = scheduler.spawn(victim, "late", ticker(clock, log, "late", 1.0, 1))
+    late = scheduler.spawn("late", process=victim, coroutine=ticker(clock, log, "late", 1.0, 1))
     assert late.done, "a crashed process starts nothing new"
 
 
 def test_after_wakes_a_task_right_after_another_runs() -> None:
     clock, scheduler, log = make()
     process = scheduler.process("p")
-    loop = scheduler.spawn(process, "loop", ticker(clock, log, "loop", 2.0, 3))
+    loop = scheduler.spawn("loop", process=process, coroutine=ticker(clock, log, "loop", 2.0, 3))
 
     async def waiter() -> None:
         for _ in range(3):
@@ -84,7 +89,7 @@ def test_after_wakes_a_task_right_after_another_runs() -> None:
         await scheduler.after(loop)  # the loop is done by then: returns at once
         log.append((clock.now(), "end"))
 
-    scheduler.spawn(process, "waiter", waiter())
+    scheduler.spawn("waiter", process=process, coroutine=waiter())
     scheduler.run(until=100)
     woken = [t for t, n in log if n == "waiter"]
     # Each wake-up is at one of the loop's steps (0: its start, which ties with the waiter's
@@ -96,7 +101,7 @@ def test_after_wakes_a_task_right_after_another_runs() -> None:
 def test_node_clocks_drift_and_only_sleeps_may_be_awaited() -> None:
     clock, scheduler, log = make()
     fast = NodeClock(clock, offset=100.0, rate=1.01)
-    scheduler.spawn(scheduler.process("n"), "n", ticker(fast, log, "n", 1.01, 1))
+    scheduler.spawn("n", process=scheduler.process("n"), coroutine=ticker(fast, log, "n", 1.01, 1))
     scheduler.run(until=100)
     assert log == [(101.01, "n")] and clock.time == pytest.approx(1.0)
     with pytest.raises(ValueError, match="rate"):
@@ -109,6 +114,6 @@ def test_node_clocks_drift_and_only_sleeps_may_be_awaited() -> None:
     async def bad() -> None:
         await Foreign()
 
-    scheduler.spawn(scheduler.process("b"), "b", bad())
+    scheduler.spawn("b", process=scheduler.process("b"), coroutine=bad())
     with pytest.raises(TypeError, match="only clock sleeps"):
         scheduler.run(until=200)

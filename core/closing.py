@@ -1,0 +1,800 @@
+"""Closing a round: when it may close, who closes it, when another node takes over, and every
+step of the close from the claim to the commit. What happens when a round closes is all here.
+
+Closable. Round ``r`` may close once it has a snapshot and either every *expected* node has
+reported, or ``quorum_size`` snapshots exist and ``grace`` seconds have passed since this
+observer first saw them. Expected nodes are the active (live, not left) nodes that reported in
+the fragment's previous round, or for a fragment's first round every active node (with those
+seen reporting elsewhere whose leases this observer has not listed yet). So a synchronous run
+closes as soon as everyone is in; a straggler costs at most ``grace``; a newcomer is not waited
+for until it has reported once; and no cycle of waiting nodes can stall the run, since the grace
+timer always runs out.
+
+Closer. Attempt ``a``'s candidates are the round's reporters rotated by a stable hash of ``r``
+plus ``a``, live ones that have not left first, then live ones that have (a leaving node still
+closes its own rounds when nobody else can). Candidate ``i`` may claim ``claims/<a>`` once the
+attempt has been open for ``i * takeover`` seconds: the first at once, the others only if it
+stays silent. Attempt ``a+1`` opens when attempt ``a``'s claimant is seen expired, or
+``takeover * 2**a`` seconds after its claim was first seen without a commit (Decision 2).
+
+The close (``Closing``), one step per result:
+
+1. create ``claims/<a>``; when the key holds another object, read it: a valid claim is another
+   closer's (stop), garbage or a forgery only spares duplicate work, so the close goes on;
+2. list the round's snapshots; skip those larger than a genuine snapshot can be, read the rest;
+3. include the snapshots whose record names their key's node and round and whose base is the
+   fragment's previous commit (``include``); compute norms only where a rule reads them, and
+   exclude outliers (``robust``); nothing left means no commit;
+4. load the outer state the step starts from: the previous commit's (its record read first
+   when this node does not know it), or the initial parameters for a fragment's first round;
+5. weigh the deltas (``outer_weights``: samples, normalized to H steps, clipped), take the
+   outer step, write ``params`` and ``state``;
+6. create the commit record, last: the round commits exactly once. If it is ours, hand it to
+   the learner, update the ``heads/`` hint at every ``HEAD_EVERY``-th commit, and schedule the
+   collection of the fragment's round ``keep`` rounds back (``gc``); if another attempt won,
+   delete our payloads and read the winner's record.
+
+Any read that fails (a corrupt base, a payload key taken) reports the object, reads whether
+another closer committed meanwhile, and leaves the round to be looked at again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import attrs
+
+from gradientmail.core import keys, robust
+from gradientmail.core.algorithm import DiLoCo
+from gradientmail.core.chain import previous_round
+from gradientmail.core.effects import (
+    BaseRead,
+    Claimed,
+    ClaimRead,
+    ClaimsRead,
+    Clipped,
+    CommitRead,
+    Committed,
+    CreateClaim,
+    Created,
+    Delete,
+    Drop,
+    Effect,
+    Excluded,
+    Forget,
+    ListClaims,
+    ListSnapshots,
+    Norms,
+    NormsRead,
+    OuterStep,
+    PutHead,
+    ReadClaim,
+    ReadCommit,
+    ReadOuterState,
+    ReadSnapshot,
+    Rejected,
+    Result,
+    SnapshotRead,
+    SnapshotsListed,
+    Wait,
+    Written,
+)
+from gradientmail.core.identity import derived
+from gradientmail.core.leases import Leases
+from gradientmail.core.records import Claim, Commit, Included, Manifest, Snapshot
+
+if TYPE_CHECKING:
+    from gradientmail.core.rules import Rules
+
+__all__ = [
+    "HEAD_EVERY",
+    "ClaimRound",
+    "Closing",
+    "Context",
+    "Decision",
+    "Done",
+    "RoundState",
+    "RoundView",
+    "RoundWatch",
+    "Wait",
+    "decide",
+    "designated",
+    "include",
+    "outer_weights",
+    "rotation_seed",
+    "step",
+    "writes_head",
+]
+
+HEAD_EVERY = 4
+"""A closer updates a fragment's ``heads/`` hint at every ``HEAD_EVERY``-th commit of it, so a
+reader usually walks fewer than ``HEAD_EVERY`` commits past the hint (one GET each), and three
+rounds in four cost one PUT less (S3 prices a PUT like about twelve GETs)."""
+
+
+# -- when a round may close, and who closes it ------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class RoundView:
+    """What a node has read of round ``round``: the reporters listed under its snapshots
+    (sorted), the reporters of the fragment's previous round (None for a fragment's first
+    round), the claims read, whether its commit exists, and ``peers``: the nodes it has seen
+    report in any round (sorted), which a fragment's first round also expects while the
+    observer's lease view does not list them yet."""
+
+    round: int
+    reporters: tuple[str, ...]
+    previous_reporters: tuple[str, ...] | None
+    claims: tuple[Claim, ...] = ()
+    committed: bool = False
+    peers: tuple[str, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class RoundWatch:
+    """A node's timers for one round, on its own clock (seconds)."""
+
+    round: int
+    quorum_since: float | None = None
+    open_since: float | None = None
+    claim_seen: tuple[tuple[int, float], ...] = ()
+
+    def seen(self, attempt: int) -> float | None:
+        return dict(self.claim_seen).get(attempt)
+
+
+@attrs.frozen(kw_only=True)
+class ClaimRound:
+    """Create ``claims/<attempt>`` and, if that wins, close the round."""
+
+    round: int
+    attempt: int
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class Done:
+    reason: str
+
+
+Decision = ClaimRound | Wait | Done
+
+
+def rotation_seed(r: int) -> int:
+    """A stable hash of the round (blake2b, never Python's salted ``hash``)."""
+    return int.from_bytes(hashlib.blake2b(str(r).encode(), digest_size=8).digest(), "big")
+
+
+def designated(
+    reporters: Sequence[str], r: int, attempt: int, leases: Leases, *, now: float, timeout: float
+) -> tuple[str, ...]:
+    """Attempt ``attempt``'s candidate closers of round ``r``, in order."""
+    ordered = sorted(reporters)
+    if not ordered:
+        return ()
+    start = rotation_seed(r) % len(ordered)
+    rotated = ordered[start:] + ordered[:start]
+    live = leases.live(now=now, lease_timeout=timeout)
+    left = leases.left()
+    staying = [n for n in rotated if n in live and n not in left]
+    leaving = [n for n in rotated if n in live and n in left]
+    # Attempt a is led by the a-th live node of the rotation (Decision 2).
+    return tuple(_rotate(staying, attempt) + _rotate(leaving, attempt))
+
+
+def _rotate(nodes: list[str], by: int) -> list[str]:
+    if not nodes:
+        return nodes
+    shift = by % len(nodes)
+    return nodes[shift:] + nodes[:shift]
+
+
+def decide(
+    view: RoundView,
+    watch: RoundWatch,
+    leases: Leases,
+    *,
+    me: str,
+    algorithm: DiLoCo,
+    now: float,
+    lease_timeout: float,
+    takeover: float,
+) -> tuple[RoundWatch, Decision]:
+    """What ``me`` should do about round ``view.round`` now (``me`` may be an observer that
+    is no candidate, as ``gradientmail status`` is: the reason says why the round waits)."""
+    if watch.round != view.round:
+        raise ValueError(f"watch of round {watch.round} used for round {view.round}")
+    if view.committed:
+        return watch, Done(reason=f"round {view.round} is committed")
+    watch, closable = _closable(view, watch, leases, algorithm, now, lease_timeout)
+    if isinstance(closable, Wait):
+        return watch, closable
+    for claim in view.claims:
+        if watch.seen(claim.attempt) is None:
+            watch = attrs.evolve(watch, claim_seen=(*watch.claim_seen, (claim.attempt, now)))
+    attempt, opened = _open_attempt(view, watch, leases, now, lease_timeout, takeover)
+    if isinstance(opened, Wait):
+        return watch, opened
+    candidates = designated(
+        view.reporters, view.round, attempt, leases, now=now, timeout=lease_timeout
+    )
+    if me not in candidates:
+        return watch, Wait(
+            until=None, reason=f"{me} is not a candidate closer of attempt {attempt}"
+        )
+    turn = opened + candidates.index(me) * takeover
+    if now < turn:
+        return watch, Wait(
+            until=turn, reason=f"{candidates[0]} closes attempt {attempt} unless it stays silent"
+        )
+    return watch, ClaimRound(
+        round=view.round,
+        attempt=attempt,
+        reason=f"{me} is candidate {candidates.index(me)} of attempt {attempt}",
+    )
+
+
+def _closable(
+    view: RoundView,
+    watch: RoundWatch,
+    leases: Leases,
+    algorithm: DiLoCo,
+    now: float,
+    lease_timeout: float,
+) -> tuple[RoundWatch, Wait | None]:
+    reporters = set(view.reporters)
+    if not reporters:
+        return watch, Wait(until=None, reason=f"round {view.round} has no snapshot yet")
+    active = leases.active(now=now, lease_timeout=lease_timeout)
+    if view.previous_reporters is None:
+        # A fragment's first round: every active node, and every node seen reporting that the
+        # lease view has not caught up with (its lease LIST is older than that node's join).
+        expected = active | (set(view.peers) - set(leases.by_node))
+    else:
+        expected = active & set(view.previous_reporters)
+    if not expected <= reporters:
+        if len(reporters) < algorithm.quorum_size:
+            return watch, Wait(
+                until=None,
+                reason=(
+                    f"round {view.round}: {len(reporters)} of quorum {algorithm.quorum_size}, "
+                    f"waiting for {sorted(expected - reporters)}"
+                ),
+            )
+        if watch.quorum_since is None:
+            watch = attrs.evolve(watch, quorum_since=now)
+        assert watch.quorum_since is not None
+        deadline = watch.quorum_since + algorithm.grace
+        if now < deadline:
+            return watch, Wait(
+                until=deadline,
+                reason=f"round {view.round}: grace for {sorted(expected - reporters)}",
+            )
+    if watch.open_since is None:
+        watch = attrs.evolve(watch, open_since=now)
+    return watch, None
+
+
+def _open_attempt(
+    view: RoundView,
+    watch: RoundWatch,
+    leases: Leases,
+    now: float,
+    lease_timeout: float,
+    takeover: float,
+) -> tuple[int, float | Wait]:
+    """The attempt that may be claimed next and since when, or why none may be yet."""
+    if not view.claims:
+        return 0, watch.open_since if watch.open_since is not None else now
+    last = max(view.claims, key=lambda c: c.attempt)
+    seen = watch.seen(last.attempt)
+    seen = now if seen is None else seen
+    if leases.expired(last.node, now=now, lease_timeout=lease_timeout):
+        # A fixed opening time, so the fallback candidates' turns (i * takeover later) arrive.
+        observed = leases.by_node.get(last.node)
+        expired_at = observed.changed_at + lease_timeout if observed is not None else seen
+        return last.attempt + 1, max(seen, expired_at)
+    deadline = seen + takeover * 2**last.attempt
+    if now >= deadline:
+        return last.attempt + 1, deadline
+    return last.attempt + 1, Wait(
+        until=deadline,
+        reason=f"attempt {last.attempt} of round {view.round} is {last.node}'s",
+    )
+
+
+# -- what a commit includes and how it weighs it ----------------------------------------------
+
+
+def include(
+    algorithm: DiLoCo, r: int, snapshots: Sequence[tuple[str, Snapshot]]
+) -> tuple[list[Included], list[tuple[str, str]]]:
+    """Which of the read snapshots (``(key_node, record)``) a commit of ``r`` includes, sorted
+    by node, and the excluded ones with the reason. A snapshot counts only when its record
+    names the node and round of its key and is based on the fragment's previous commit."""
+    base = previous_round(algorithm, r)
+    chosen: list[Included] = []
+    excluded: list[tuple[str, str]] = []
+    for node, record in sorted(snapshots, key=lambda item: item[0]):
+        if record.node != node or record.round != r:
+            excluded.append((node, f"record names {record.node} round {record.round}"))
+        elif record.base_round != base:
+            excluded.append((node, f"based on round {record.base_round}, not {base}"))
+        else:
+            chosen.append(Included.of(record))
+    return chosen, excluded
+
+
+def outer_weights(
+    algorithm: DiLoCo,
+    included: Sequence[Included],
+    norms: Mapping[str, float] | None = None,
+) -> list[float]:
+    """Weights of the outer gradient ``sum(w_i * delta_i)``: samples-weighted and normalized to
+    H steps, ``w_i = s_i * H / steps_i / sum(s)`` (Decision 5), so a delta that spans more
+    steps (a slow or rebased node) counts by its samples without amplifying the outer step.
+
+    With ``algorithm.clip`` set, each weight also carries its delta's clip factor
+    (``robust.clip_scales``; ``norms`` maps each included node to its delta's L2 norm and is
+    then required), so the backend's weighted sum needs nothing more."""
+    total = sum(i.samples for i in included)
+    if total <= 0:
+        raise ValueError("a commit needs at least one snapshot with samples")
+    weights = [i.samples * algorithm.inner_steps / i.steps / total for i in included]
+    if algorithm.clip is None:
+        return weights
+    if norms is None:
+        raise ValueError("algorithm.clip is set: outer_weights needs the deltas' norms")
+    scales = robust.clip_scales(
+        included, norms, inner_steps=algorithm.inner_steps, clip=algorithm.clip
+    )
+    return [w * scales[i.node] for w, i in zip(weights, included, strict=True)]
+
+
+def writes_head(algorithm: DiLoCo, committed: int) -> bool:
+    """Whether the closer of round ``committed`` updates its fragment's ``heads/`` hint: at
+    the fragment's first commit and every ``HEAD_EVERY``-th after it."""
+    return (committed // algorithm.fragments) % HEAD_EVERY == 0
+
+
+# -- one watched round, and its close -----------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Context:
+    """What a round's rule reads besides the round itself: the node, the run, its settings and
+    the syncer's other knowledge (leases, known commits, peers)."""
+
+    me: str
+    process: str
+    manifest: Manifest
+    leases: Leases
+    commits: Mapping[int, Commit]
+    peers: frozenset[str]
+    members: frozenset[str] | None  # signed runs: the reporters that count (verified leases)
+    lease_timeout: float
+    takeover: float
+    poll_interval: float
+    outlier_factor: float | None
+    rules: Rules
+    busy: bool = False  # another round's close is running: this one may not begin its own
+    settling: bool = False  # a lease LIST is being read: decide on the view it makes
+
+    @property
+    def algorithm(self) -> DiLoCo:
+        return self.manifest.algorithm
+
+
+Phase = Literal[
+    "claim", "check", "list", "read", "norms", "base", "load", "write", "commit", "lost"
+]
+
+
+@attrs.frozen(kw_only=True)
+class Closing:
+    """A close in progress: its attempt, the claim's nonce, when it began (node's clock), the
+    step it waits on, and what it has gathered."""
+
+    attempt: int
+    nonce: str
+    started: float
+    phase: Phase
+    reading: frozenset[str] = frozenset()
+    read: tuple[tuple[str, Snapshot], ...] = ()
+    chosen: tuple[Included, ...] = ()
+    norms: tuple[tuple[str, float], ...] = ()
+    commit: Commit | None = None
+
+
+@attrs.frozen(kw_only=True)
+class RoundState:
+    """One round this node watches (it has a snapshot in it): its timers, the view last read
+    (``reporters``, ``claims``) and when (``read_at``, node's clock), the close this node is
+    making of it, if any, and whether it is committed. The view is read again a poll interval
+    after the last read, or at once when ``poked`` (a bell: this node's snapshot is out);
+    ``stale``: it must be read again before the rules decide on it (a close of this node's
+    ended without a commit); ``listing``: LISTs in flight."""
+
+    round: int
+    watch: RoundWatch
+    reporters: tuple[str, ...] | None = None
+    claims: tuple[Claim, ...] = ()
+    read_at: float | None = None
+    stale: bool = False
+    poked: bool = True
+    listing: int = 0
+    closing: Closing | None = None
+    committed: bool = False
+
+    @classmethod
+    def new(cls, r: int) -> RoundState:
+        return cls(round=r, watch=RoundWatch(round=r))
+
+    @property
+    def over(self) -> bool:
+        """Committed (by anyone) and no close of this node's still running."""
+        return self.committed and self.closing is None
+
+
+Outcome = tuple[RoundState, list[Effect], float | None, str]
+
+
+def step(state: RoundState, results: Sequence[Result], ctx: Context, *, now: float) -> Outcome:
+    """Round ``state.round`` after ``results`` (of the effects it asked for): its next effects,
+    the time (node's clock) it next wants to be looked at (None: only when a result arrives),
+    and why. A close in progress goes on; otherwise the view is read when ``stale`` and the
+    rules decide (``ctx.rules.decide``)."""
+    effects: list[Effect] = []
+    for result in results:
+        state, more = _fold(state, result, ctx, now)
+        effects += more
+    if state.closing is not None or state.over:
+        return state, effects, None, _doing(state)
+
+    if state.listing:
+        return state, effects, None, f"round {state.round}: reading its view"
+    if state.committed:
+        return state, effects, None, f"round {state.round} is committed"
+    refresh = -math.inf if state.read_at is None else state.read_at + ctx.poll_interval
+    if state.poked or now >= refresh:
+        return _list(state, effects)
+    if state.stale or state.reporters is None:
+        return state, effects, refresh, f"round {state.round}: its view is read at the next poll"
+    if ctx.settling:  # decide on the newest lease view, as a takeover must (Decision 3)
+        return state, effects, None, f"round {state.round}: reading the leases"
+    r = state.round
+    previous = previous_round(ctx.algorithm, r)
+    before = ctx.commits.get(previous) if previous >= 0 else None
+    view = RoundView(
+        round=r,
+        reporters=state.reporters,
+        previous_reporters=tuple(i.node for i in before.included) if before is not None else None,
+        claims=state.claims,
+        # From commits, which are verified in a signed run: a listing could name anyone.
+        peers=tuple(sorted(ctx.peers - {ctx.me})),
+    )
+    watch, decision = ctx.rules.decide(
+        view,
+        state.watch,
+        ctx.leases,
+        me=ctx.me,
+        algorithm=ctx.algorithm,
+        now=now,
+        lease_timeout=ctx.lease_timeout,
+        takeover=ctx.takeover,
+    )
+    state = attrs.evolve(state, watch=watch)
+    if isinstance(decision, ClaimRound) and ctx.busy:
+        return state, effects, refresh, f"round {r}: waits for this node's other close"
+    if isinstance(decision, ClaimRound):
+        return _claim(state, decision.attempt, ctx, now, effects, decision.reason)
+    until = (
+        refresh
+        if not isinstance(decision, Wait) or decision.until is None
+        else min(refresh, decision.until)
+    )
+    return state, effects, until, decision.reason
+
+
+def poke(state: RoundState) -> RoundState:
+    """Read the view again at the round's next step (a bell: this node's snapshot is out)."""
+    return attrs.evolve(state, poked=True)
+
+
+def _doing(state: RoundState) -> str:
+    if state.closing is not None:
+        return (
+            f"round {state.round}: closing attempt {state.closing.attempt}, {state.closing.phase}"
+        )
+    return f"round {state.round} is committed"
+
+
+def _list(state: RoundState, effects: list[Effect]) -> Outcome:
+    r, opened = state.round, state.watch.open_since is not None
+    lists: list[Effect] = []
+    if not opened or state.reporters is None:
+        lists.append(ListSnapshots(round=r))
+    if opened:
+        lists.append(ListClaims(round=r))
+    state = attrs.evolve(state, poked=False, listing=len(lists))
+    return state, effects + lists, None, f"round {r}: reading its view"
+
+
+def _claim(
+    state: RoundState, attempt: int, ctx: Context, now: float, effects: list[Effect], why: str
+) -> Outcome:
+    r = state.round
+    nonce = derived(ctx.process, "claim", r, attempt)
+    claim = Claim(node=ctx.me, nonce=nonce, round=r, attempt=attempt)
+    closing = Closing(attempt=attempt, nonce=nonce, started=now, phase="claim")
+    return attrs.evolve(state, closing=closing), [*effects, CreateClaim(claim=claim)], None, why
+
+
+def _fold(
+    state: RoundState, result: Result, ctx: Context, now: float
+) -> tuple[RoundState, list[Effect]]:
+    """One result into the round: the view's LISTs, or the close's next step."""
+    if isinstance(result, SnapshotsListed) and state.closing is None:
+        nodes = tuple(node for node, _ in result.sizes)
+        if ctx.members is not None:
+            nodes = robust.members(nodes, ctx.members)
+        listing = max(0, state.listing - 1)
+        state = attrs.evolve(state, reporters=nodes, listing=listing, stale=False, read_at=now)
+        return state, []
+    if isinstance(result, ClaimsRead) and state.closing is None:
+        listing = max(0, state.listing - 1)
+        state = attrs.evolve(state, claims=result.claims, listing=listing, stale=False, read_at=now)
+        return state, []
+    if state.closing is None:
+        return state, []
+    return _advance(state, state.closing, result, ctx, now)
+
+
+def _advance(
+    state: RoundState, closing: Closing, result: Result, ctx: Context, now: float
+) -> tuple[RoundState, list[Effect]]:
+    r = state.round
+    if closing.phase == "claim" and isinstance(result, Created):
+        if ctx.rules.ours(result, closing.nonce):
+            return _won(state, closing)
+        return _set(state, closing, phase="check"), [ReadClaim(round=r, attempt=closing.attempt)]
+    if closing.phase == "check" and isinstance(result, ClaimRead):
+        if result.claim is not None:  # another closer's valid claim
+            return _abort(state), []
+        # The key holds no valid claim (a forgery or garbage, reported): a claim only spares
+        # duplicate work, and the create-only commit still commits the round once.
+        return _won(state, closing)
+    if closing.phase == "list" and isinstance(result, SnapshotsListed):
+        return _listed(state, closing, result, ctx)
+    if closing.phase == "read" and isinstance(result, SnapshotRead):
+        return _snapshot(state, closing, result, ctx)
+    if closing.phase == "norms" and isinstance(result, NormsRead):
+        return _outliers(state, closing, dict(result.norms), ctx)
+    if closing.phase == "base" and isinstance(result, CommitRead):
+        return _base_read(state, closing, result, ctx)
+    if closing.phase == "load" and isinstance(result, BaseRead):
+        return _loaded(state, closing, result, ctx)
+    if closing.phase == "write" and isinstance(result, Written):
+        return _written(state, closing, result, ctx)
+    if closing.phase == "commit" and isinstance(result, Created):
+        return _created(state, closing, result, ctx, now)
+    if closing.phase == "lost" and isinstance(result, CommitRead):
+        state, effects = _meanwhile(attrs.evolve(state, closing=None), result)
+        return state, [*effects, Drop(round=r)]
+    return state, []
+
+
+def _set(state: RoundState, closing: Closing, **changes: Any) -> RoundState:
+    return attrs.evolve(state, closing=attrs.evolve(closing, **changes))
+
+
+def _abort(state: RoundState) -> RoundState:
+    """The close stops; the round is looked at again once its view is read at the next poll."""
+    return attrs.evolve(state, closing=None, stale=True)
+
+
+def _won(state: RoundState, closing: Closing) -> tuple[RoundState, list[Effect]]:
+    r = state.round
+    report = Claimed(round=r, attempt=closing.attempt)
+    return _set(state, closing, phase="list"), [report, ListSnapshots(round=r)]
+
+
+def _listed(
+    state: RoundState, closing: Closing, result: SnapshotsListed, ctx: Context
+) -> tuple[RoundState, list[Effect]]:
+    r = state.round
+    bound = robust.snapshot_bound(ctx.manifest.fragment_schema(r % ctx.algorithm.fragments))
+    effects: list[Effect] = []
+    reading = []
+    for node, size in result.sizes:
+        too_big = robust.oversized(size, bound)
+        if too_big is not None:
+            effects.append(Excluded(round=r, node=node, reason=too_big))
+        else:
+            reading.append(node)
+            effects.append(ReadSnapshot(round=r, node=node))
+    state = _set(state, closing, phase="read", reading=frozenset(reading))
+    if reading:
+        return state, effects
+    assert state.closing is not None
+    state, more = _include(state, state.closing, ctx)
+    return state, effects + more
+
+
+def _snapshot(
+    state: RoundState, closing: Closing, result: SnapshotRead, ctx: Context
+) -> tuple[RoundState, list[Effect]]:
+    if result.node not in closing.reading:
+        return state, []
+    effects: list[Effect] = []
+    read = closing.read
+    if result.rejected is not None:
+        effects.append(Excluded(round=state.round, node=result.node, reason=result.rejected))
+    elif result.record is not None:
+        read = (*read, (result.node, result.record))
+    closing = attrs.evolve(closing, reading=closing.reading - {result.node}, read=read)
+    state = attrs.evolve(state, closing=closing)
+    if closing.reading:
+        return state, effects
+    state, more = _include(state, closing, ctx)
+    return state, effects + more
+
+
+def _include(state: RoundState, closing: Closing, ctx: Context) -> tuple[RoundState, list[Effect]]:
+    r = state.round
+    chosen, excluded = include(ctx.algorithm, r, closing.read)
+    effects: list[Effect] = [Excluded(round=r, node=n, reason=why) for n, why in excluded]
+    closing = attrs.evolve(closing, chosen=tuple(chosen))
+    if robust.needs_norms(len(chosen), factor=ctx.outlier_factor, clip=ctx.algorithm.clip):
+        nodes = tuple(i.node for i in chosen)
+        return _set(state, closing, phase="norms"), [*effects, Norms(round=r, nodes=nodes)]
+    state, more = _based(state, closing, ctx)
+    return state, effects + more
+
+
+def _outliers(
+    state: RoundState, closing: Closing, norms: dict[str, float], ctx: Context
+) -> tuple[RoundState, list[Effect]]:
+    r = state.round
+    out = robust.outliers(
+        closing.chosen, norms, inner_steps=ctx.algorithm.inner_steps, factor=ctx.outlier_factor
+    )
+    dropped = {node for node, _ in out}
+    closing = attrs.evolve(
+        closing,
+        chosen=tuple(i for i in closing.chosen if i.node not in dropped),
+        norms=tuple(sorted(norms.items())),
+    )
+    state, more = _based(state, closing, ctx)
+    return state, [*(Excluded(round=r, node=n, reason=why) for n, why in out), *more]
+
+
+def _based(state: RoundState, closing: Closing, ctx: Context) -> tuple[RoundState, list[Effect]]:
+    """Something to commit: find the outer step's starting point. Nothing: see whether
+    another closer committed the round meanwhile."""
+    r = state.round
+    if not closing.chosen:
+        return _set(state, closing, phase="lost"), [ReadCommit(round=r)]
+    previous = previous_round(ctx.algorithm, r)
+    if previous >= 0 and previous not in ctx.commits:
+        return _set(state, closing, phase="base"), [ReadCommit(round=previous)]
+    return _load(state, closing, ctx)
+
+
+def _load(state: RoundState, closing: Closing, ctx: Context) -> tuple[RoundState, list[Effect]]:
+    r = state.round
+    previous = previous_round(ctx.algorithm, r)
+    base = ctx.commits.get(previous) if previous >= 0 else None
+    load = ReadOuterState(round=r, fragment=r % ctx.algorithm.fragments, base=base)
+    return _set(state, closing, phase="load"), [load]
+
+
+def _base_read(
+    state: RoundState, closing: Closing, result: CommitRead, ctx: Context
+) -> tuple[RoundState, list[Effect]]:
+    r = state.round
+    if result.commit is None or result.rejected is not None:
+        reason = result.rejected or f"round {r}'s base round {result.round} has no commit"
+        key = keys.commit(result.round) if result.rejected else keys.round_prefix(r)
+        return _failed(state, closing, key, reason)
+    return _load(state, closing, ctx)  # the syncer learned the commit from this result
+
+
+def _loaded(
+    state: RoundState, closing: Closing, result: BaseRead, ctx: Context
+) -> tuple[RoundState, list[Effect]]:
+    r = state.round
+    k = r % ctx.algorithm.fragments
+    if not result.present or result.rejected is not None:
+        previous = ctx.commits.get(previous_round(ctx.algorithm, r))
+        if result.rejected is not None:
+            reason = result.rejected
+        else:
+            reason = "outer state is gone" if previous else "initial parameters are gone"
+        key = previous.state.key if previous is not None else ctx.manifest.init[k].key
+        return _failed(state, closing, key, reason)
+    norms = dict(closing.norms) if ctx.algorithm.clip is not None else None
+    weights = outer_weights(ctx.algorithm, closing.chosen, norms)
+    effects: list[Effect] = []
+    if ctx.algorithm.clip is not None and norms is not None:
+        scales = robust.clip_scales(
+            closing.chosen, norms, inner_steps=ctx.algorithm.inner_steps, clip=ctx.algorithm.clip
+        )
+        effects += [
+            Clipped(round=r, node=node, factor=f) for node, f in sorted(scales.items()) if f < 1.0
+        ]
+    nodes = tuple(i.node for i in closing.chosen)
+    step_effect = OuterStep(round=r, fragment=k, nodes=nodes, weights=tuple(weights))
+    return _set(state, closing, phase="write"), [*effects, step_effect]
+
+
+def _written(
+    state: RoundState, closing: Closing, result: Written, ctx: Context
+) -> tuple[RoundState, list[Effect]]:
+    r = state.round
+    if result.failed is not None or result.params is None or result.state is None:
+        return _failed(
+            state, closing, keys.round_prefix(r), result.failed or "payloads not written"
+        )
+    commit = Commit(
+        round=r,
+        fragment=r % ctx.algorithm.fragments,
+        base_round=previous_round(ctx.algorithm, r),
+        closer=ctx.me,
+        attempt=closing.attempt,
+        nonce=result.nonce,
+        included=closing.chosen,
+        params=result.params,
+        state=result.state,
+    )
+    return _set(state, closing, phase="commit", commit=commit), ctx.rules.commit(commit)
+
+
+def _created(
+    state: RoundState, closing: Closing, result: Created, ctx: Context, now: float
+) -> tuple[RoundState, list[Effect]]:
+    commit = closing.commit
+    assert commit is not None
+    r = state.round
+    if not ctx.rules.ours(result, commit.nonce):
+        # Another attempt committed first: ours must leave no trace (Decision 2).
+        lost = Delete(keys=(commit.params.key, commit.state.key))
+        return _set(state, closing, phase="lost"), [lost, ReadCommit(round=r)]
+    k = commit.fragment
+    before = ctx.commits.get(commit.base_round)
+    if before is not None:
+        superseded: tuple[str, ...] = (before.params.key, before.state.key)
+    else:
+        superseded = (ctx.manifest.init[k].key,) if commit.base_round < 0 else ()
+    effects: list[Effect] = [Committed(commit=commit, seconds=now - closing.started)]
+    if writes_head(ctx.algorithm, r):
+        effects.append(PutHead(fragment=k, round=r))
+    effects += [Forget(keys=superseded), Drop(round=r)]
+    return attrs.evolve(state, closing=None, committed=True), effects
+
+
+def _failed(
+    state: RoundState, closing: Closing, key: str, reason: str
+) -> tuple[RoundState, list[Effect]]:
+    """A read or write of the close failed: report it, then read whether another closer
+    committed the round meanwhile; the round is looked at again later."""
+    r = state.round
+    return _set(state, closing, phase="lost"), [
+        Rejected(key=key, reason=reason),
+        ReadCommit(round=r),
+    ]
+
+
+def _meanwhile(state: RoundState, result: CommitRead) -> tuple[RoundState, list[Effect]]:
+    """After a close that committed nothing: when another closer committed the round (while
+    this node stalled, say), the round is over; otherwise it is looked at again."""
+    state = attrs.evolve(state, stale=True)
+    if result.rejected is not None:
+        return state, [Rejected(key=keys.commit(state.round), reason=result.rejected)]
+    if result.commit is not None:
+        return attrs.evolve(state, committed=True), []
+    return state, []

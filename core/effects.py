@@ -1,0 +1,700 @@
+"""Every effect a core rule returns, every result the shell hands back, as frozen records.
+
+A node's loops are executors: each gathers a view (the results of the effects it carried out
+last, and the messages its other loops sent), calls its rule with ``now``, carries out the
+effects the rule returns, and sleeps until the earliest ``Wait.until`` or a bell. The rules
+never do I/O; the effects say exactly what to do, so the shell (``gradientmail._node``) and the
+explorer's world (``specs/``) execute the same decisions.
+
+Three groups, by the loop that executes them:
+
+============================  ===============================================================
+training thread               ``Publish`` (capture a fragment), ``Merge``, ``Rebased``
+learner loop                  ``Upload``, ``PollCommit``, ``ReadParams``, ``Deliver``,
+                              ``Watch``/``Seen`` (to the syncer), ``ReadHead``/``ReadCommit``
+                              (the chain walk)
+syncer loop                   ``RenewLease``, ``ListLeases``, ``ReadLease``, ``ListSnapshots``,
+                              ``ListClaims``, ``CreateClaim``, ``ReadClaim``, ``ReadSnapshot``,
+                              ``Norms``, ``ReadOuterState``, ``OuterStep``, ``CreateCommit``,
+                              ``Committed`` (to the learner), ``PutHead``, ``ListRound``,
+                              ``Delete``, ``Forget``, ``Drop``
+join                          ``ReadManifest``, ``WriteInit``, ``CreateManifest``, ``ReadLease``,
+                              the chain walk, ``ReadParams``
+every loop                    ``Wait``, ``Done``, ``Fail``, and reports (``Excluded``,
+                              ``Clipped``, ``Claimed``, ``Expired``, ``Rejected``, ``Missed``)
+============================  ===============================================================
+
+Results carry what the executor read or what became of a write; ``Created`` reports a create
+on a record's key, which ``core.identity.ours`` judges (Decision 9).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+from gradientmail.core.records import Claim, Commit, Lease, Manifest, PayloadRef, Snapshot
+
+__all__ = [
+    "BaseRead",
+    "Captured",
+    "ClaimRead",
+    "Claimed",
+    "ClaimsRead",
+    "Clipped",
+    "Close",
+    "CommitRead",
+    "Committed",
+    "Create",
+    "CreateClaim",
+    "CreateCommit",
+    "CreateManifest",
+    "Created",
+    "Delete",
+    "Deliver",
+    "Done",
+    "Drop",
+    "Effect",
+    "Excluded",
+    "Expired",
+    "Fail",
+    "Forget",
+    "HeadRead",
+    "InitWritten",
+    "LeaseRead",
+    "LeasesListed",
+    "Leave",
+    "ListClaims",
+    "ListLeases",
+    "ListRound",
+    "ListSnapshots",
+    "ManifestRead",
+    "Merge",
+    "Missed",
+    "Norms",
+    "NormsRead",
+    "OuterStep",
+    "ParamsRead",
+    "PollCommit",
+    "Publish",
+    "PutHead",
+    "ReadClaim",
+    "ReadCommit",
+    "ReadHead",
+    "ReadLease",
+    "ReadManifest",
+    "ReadOuterState",
+    "ReadParams",
+    "ReadSnapshot",
+    "Rebased",
+    "Rejected",
+    "RenewLease",
+    "Result",
+    "RoundListed",
+    "Seen",
+    "SnapshotRead",
+    "SnapshotsListed",
+    "Stop",
+    "Upload",
+    "Uploaded",
+    "Wait",
+    "Watch",
+    "WriteInit",
+    "Written",
+]
+
+
+# -- every loop ----------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Wait:
+    """Nothing to do before ``until`` (seconds on the node's clock; None: until a message or a
+    result arrives). A loop sleeps until the earliest ``until`` of a step, or a bell."""
+
+    until: float | None
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class Done:
+    """The loop has finished (its node is leaving and everything it owed is done)."""
+
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class Fail:
+    """The loop cannot go on: ``error`` (a ``ProtocolError`` or one of its kind) ends it, and
+    ``step`` raises it on the training thread."""
+
+    error: Exception = attrs.field(eq=False)
+
+
+@attrs.frozen(kw_only=True)
+class Excluded:
+    """Report: the snapshot of ``node`` was left out of round ``round``'s commit."""
+
+    round: int
+    node: str
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class Clipped:
+    """Report: ``node``'s delta in round ``round`` was scaled by ``factor`` (< 1)."""
+
+    round: int
+    node: str
+    factor: float
+
+
+@attrs.frozen(kw_only=True)
+class Claimed:
+    """Report: this node closes attempt ``attempt`` of ``round`` (a takeover when > 0)."""
+
+    round: int
+    attempt: int
+
+
+@attrs.frozen(kw_only=True)
+class Expired:
+    """Report: this node saw ``node``'s lease unchanged for the lease timeout."""
+
+    node: str
+
+
+@attrs.frozen(kw_only=True)
+class Rejected:
+    """Report: the object at ``key`` is not used, for ``reason``."""
+
+    key: str
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class Missed:
+    """Report: another incarnation's snapshot holds this node's key of ``round``."""
+
+    round: int
+
+
+# -- the training thread -------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Publish:
+    """Capture fragment ``fragment``'s parameters now; the learner loop uploads ``base -
+    captured`` as the snapshot of ``round`` (the fragment's ``nonce`` in the learner state
+    marks it as this process's)."""
+
+    fragment: int
+    round: int
+    base_round: int
+    samples: int
+    steps: int
+
+
+@attrs.frozen(kw_only=True)
+class Captured:
+    """Message to the learner loop: the snapshot of ``round`` (``nonce``) is captured."""
+
+    round: int
+    nonce: str
+
+
+@attrs.frozen(kw_only=True)
+class Merge:
+    """Fold the commit of ``round`` into the model.
+
+    ``since``: "snapshot" keeps the progress made after this node's own snapshot (the commit
+    counted it); "base" keeps all progress since the previous commit (nothing of it was
+    counted). With ``alpha`` the commit is mixed in instead, ``alpha * live + (1 - alpha) *
+    commit`` (``since`` then only says which it was). The next delta's base is the commit in
+    every case."""
+
+    fragment: int
+    round: int
+    since: Literal["snapshot", "base"]
+    alpha: float | None
+
+
+@attrs.frozen(kw_only=True)
+class Rebased:
+    """This node's snapshot of ``missed`` was not counted: its progress moves to the
+    fragment's next round, and its error-feedback residual is dropped (Decision 5)."""
+
+    fragment: int
+    missed: int
+    samples: int
+
+
+# -- the learner loop ----------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Upload:
+    """Encode, compress and create the captured snapshot of ``round`` (``nonce``)."""
+
+    round: int
+    nonce: str
+
+
+@attrs.frozen(kw_only=True)
+class PollCommit:
+    """GET the commit record of ``round``."""
+
+    round: int
+
+
+@attrs.frozen(kw_only=True)
+class ReadCommit:
+    """GET the commit record of ``round``, its signature checked when ``verify``."""
+
+    round: int
+    verify: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class ReadHead:
+    """GET the advisory ``heads/`` hint of ``fragment``."""
+
+    fragment: int
+
+
+@attrs.frozen(kw_only=True)
+class ReadParams:
+    """Load and verify the parameters ``commit`` names (the initial ones when ``commit`` is
+    None, for ``fragment``)."""
+
+    fragment: int
+    commit: Commit | None
+
+
+@attrs.frozen(kw_only=True)
+class Deliver:
+    """Hand the commit of ``round`` and the parameters read for it to the training thread;
+    ``counted`` holds every ``(node, nonce)`` it, or a commit skipped to reach it, counted."""
+
+    commit: Commit
+    counted: frozenset[tuple[str, str]]
+
+
+@attrs.frozen(kw_only=True)
+class Watch:
+    """To the syncer: this node has a snapshot in ``round`` (``ours``: the key holds ours)."""
+
+    round: int
+    ours: bool
+
+
+@attrs.frozen(kw_only=True)
+class Seen:
+    """To the syncer: ``commit`` exists; every earlier round of its fragment is committed."""
+
+    commit: Commit
+
+
+# -- the syncer loop -----------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class RenewLease:
+    """Put ``lease`` (overwriting this node's previous one)."""
+
+    lease: Lease
+
+
+@attrs.frozen(kw_only=True)
+class ListLeases:
+    """LIST ``leases/``: versions and sizes."""
+
+
+@attrs.frozen(kw_only=True)
+class ReadLease:
+    """GET the lease of ``node``."""
+
+    node: str
+
+
+@attrs.frozen(kw_only=True)
+class ListSnapshots:
+    """LIST round ``round``'s snapshots: nodes and sizes."""
+
+    round: int
+
+
+@attrs.frozen(kw_only=True)
+class ListClaims:
+    """LIST round ``round``'s claims and read each (the invalid ones are reported)."""
+
+    round: int
+
+
+@attrs.frozen(kw_only=True)
+class CreateClaim:
+    """Create ``claim``'s key."""
+
+    claim: Claim
+
+
+@attrs.frozen(kw_only=True)
+class ReadClaim:
+    """GET the claim of ``attempt`` of ``round`` (None when absent or invalid)."""
+
+    round: int
+    attempt: int
+
+
+@attrs.frozen(kw_only=True)
+class ReadSnapshot:
+    """GET, verify and decode ``node``'s snapshot of ``round`` into the round's workspace."""
+
+    round: int
+    node: str
+
+
+@attrs.frozen(kw_only=True)
+class Norms:
+    """The L2 norm of each of ``nodes``' decoded deltas of ``round``."""
+
+    round: int
+    nodes: tuple[str, ...]
+
+
+@attrs.frozen(kw_only=True)
+class ReadOuterState:
+    """Load the F32 master parameters and momentum the outer step of ``round`` starts from:
+    those ``base`` (the fragment's previous commit) left, or the initial parameters of
+    ``fragment`` when ``base`` is None."""
+
+    round: int
+    fragment: int
+    base: Commit | None
+
+
+@attrs.frozen(kw_only=True)
+class OuterStep:
+    """``gradient = sum(w_i * delta_i)`` over ``nodes`` with ``weights``, one outer step from
+    the loaded state, then write the round's ``params`` and ``state`` payloads."""
+
+    round: int
+    fragment: int
+    nodes: tuple[str, ...]
+    weights: tuple[float, ...]
+
+
+@attrs.frozen(kw_only=True)
+class CreateCommit:
+    """Create the round's commit record (create-only: a round commits once)."""
+
+    commit: Commit
+
+
+@attrs.frozen(kw_only=True)
+class Committed:
+    """To the learner and the reports: this node committed ``commit`` (``seconds`` since its
+    claim, on its clock); the parameters the outer step wrote go along."""
+
+    commit: Commit
+    seconds: float
+
+
+@attrs.frozen(kw_only=True)
+class PutHead:
+    """Overwrite the advisory ``heads/`` hint of ``fragment`` with ``round``."""
+
+    fragment: int
+    round: int
+
+
+@attrs.frozen(kw_only=True)
+class ListRound:
+    """LIST every key of ``round`` (for garbage collection)."""
+
+    round: int
+
+
+@attrs.frozen(kw_only=True)
+class Delete:
+    """Delete ``keys`` (a missing key is not an error)."""
+
+    keys: tuple[str, ...]
+
+
+@attrs.frozen(kw_only=True)
+class Forget:
+    """Stop remembering the payloads at ``keys`` that this node wrote (superseded)."""
+
+    keys: tuple[str, ...]
+
+
+@attrs.frozen(kw_only=True)
+class Drop:
+    """Free round ``round``'s workspace (decoded deltas, the loaded outer state)."""
+
+    round: int
+
+
+# -- join ----------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class ReadManifest:
+    """GET the manifest, its signature checked when ``verify``."""
+
+    verify: bool
+
+
+@attrs.frozen(kw_only=True)
+class WriteInit:
+    """Write fragment ``fragment``'s initial parameters (``names``) from the model."""
+
+    fragment: int
+    names: tuple[str, ...]
+
+
+@attrs.frozen(kw_only=True)
+class CreateManifest:
+    """Create the manifest (create-only: a run is created once)."""
+
+    manifest: Manifest
+
+
+Create = CreateClaim | CreateCommit | CreateManifest
+
+Effect = (
+    Wait
+    | Done
+    | Fail
+    | Excluded
+    | Clipped
+    | Claimed
+    | Expired
+    | Rejected
+    | Missed
+    | Publish
+    | Merge
+    | Rebased
+    | Upload
+    | PollCommit
+    | ReadCommit
+    | ReadHead
+    | ReadParams
+    | Deliver
+    | Watch
+    | Seen
+    | RenewLease
+    | ListLeases
+    | ReadLease
+    | ListSnapshots
+    | ListClaims
+    | CreateClaim
+    | ReadClaim
+    | ReadSnapshot
+    | Norms
+    | ReadOuterState
+    | OuterStep
+    | CreateCommit
+    | Committed
+    | PutHead
+    | ListRound
+    | Delete
+    | Forget
+    | Drop
+    | ReadManifest
+    | WriteInit
+    | CreateManifest
+)
+
+
+# -- results and messages ------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Created:
+    """What became of a create on ``key``: ``created``, ``taken`` (by another object), or
+    ``ambiguous`` (a transient failure, then the key found taken: maybe by our own first try),
+    with the ``nonce`` of the record found there when it was read back (None: not read or
+    unreadable)."""
+
+    key: str
+    outcome: Literal["created", "taken", "ambiguous"]
+    nonce: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Uploaded:
+    """The create of this node's snapshot of ``round``: ``created`` as in ``Created``."""
+
+    round: int
+    created: Created
+
+
+@attrs.frozen(kw_only=True)
+class CommitRead:
+    """The commit record of ``round``: the record, None when absent, or ``rejected`` (why it
+    is not used: corrupt, unsigned, forged, replayed)."""
+
+    round: int
+    commit: Commit | None
+    rejected: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class HeadRead:
+    """The ``heads/`` hint of ``fragment`` (None: absent or unreadable)."""
+
+    fragment: int
+    round: int | None
+
+
+@attrs.frozen(kw_only=True)
+class ParamsRead:
+    """The parameters of ``commit`` (of ``fragment``; None: the initial ones): ``present``,
+    gone (collected), or ``rejected`` (corrupt)."""
+
+    fragment: int
+    commit: Commit | None
+    present: bool
+    rejected: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class LeasesListed:
+    """One LIST of ``leases/``: ``(node, version, size)`` for every lease key of ours."""
+
+    entries: tuple[tuple[str, str, int], ...]
+
+
+@attrs.frozen(kw_only=True)
+class LeaseRead:
+    """The lease of ``node``: the record, None when absent, or ``rejected``."""
+
+    node: str
+    lease: Lease | None
+    rejected: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class SnapshotsListed:
+    """One LIST of round ``round``'s snapshots: ``(node, size)`` sorted by node."""
+
+    round: int
+    sizes: tuple[tuple[str, int], ...]
+
+
+@attrs.frozen(kw_only=True)
+class ClaimsRead:
+    """The valid claims of round ``round``."""
+
+    round: int
+    claims: tuple[Claim, ...]
+
+
+@attrs.frozen(kw_only=True)
+class ClaimRead:
+    """The claim at ``attempt`` of ``round``: valid, or None (absent or invalid)."""
+
+    round: int
+    attempt: int
+    claim: Claim | None
+
+
+@attrs.frozen(kw_only=True)
+class SnapshotRead:
+    """``node``'s snapshot of ``round``: its record (the delta decoded into the workspace),
+    None when gone, or ``rejected`` (why it is not used)."""
+
+    round: int
+    node: str
+    record: Snapshot | None
+    rejected: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class NormsRead:
+    round: int
+    norms: tuple[tuple[str, float], ...]
+
+
+@attrs.frozen(kw_only=True)
+class BaseRead:
+    """The outer state of ``round``'s step: loaded, gone, or ``rejected``."""
+
+    round: int
+    present: bool
+    rejected: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Written:
+    """The round's payloads, written under ``nonce`` (None refs: ``failed`` says why)."""
+
+    round: int
+    nonce: str
+    params: PayloadRef | None
+    state: PayloadRef | None
+    failed: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class RoundListed:
+    round: int
+    keys: tuple[str, ...]
+
+
+@attrs.frozen(kw_only=True)
+class ManifestRead:
+    manifest: Manifest | None
+    rejected: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class InitWritten:
+    fragment: int
+    ref: PayloadRef
+
+
+@attrs.frozen(kw_only=True)
+class Leave:
+    """Message: the node is leaving (release the lease now, close its rounds, then stop)."""
+
+
+@attrs.frozen(kw_only=True)
+class Stop:
+    """Message: stop the loop once what it owes is done."""
+
+
+@attrs.frozen(kw_only=True)
+class Close:
+    """Message to the learner loop: captures will come no more once the queue is empty."""
+
+
+Result = (
+    Created
+    | Uploaded
+    | CommitRead
+    | HeadRead
+    | ParamsRead
+    | LeasesListed
+    | LeaseRead
+    | SnapshotsListed
+    | ClaimsRead
+    | ClaimRead
+    | SnapshotRead
+    | NormsRead
+    | BaseRead
+    | Written
+    | RoundListed
+    | ManifestRead
+    | InitWritten
+    | Leave
+    | Stop
+    | Close
+    | Watch
+    | Seen
+    | Committed
+    | Captured
+)

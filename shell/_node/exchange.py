@@ -1,0 +1,496 @@
+"""Typed I/O over the key layout: records and payloads in and out of a mailbox.
+
+The exchange makes no protocol decision. It turns records into envelopes and back, verifies
+every payload's SHA-256 before a byte of it is used, retries transient mailbox errors with
+exponential backoff on the node's clock, and resolves a create whose outcome it could not see
+by reading the object back (the record carries the writer's nonce, Decision 9).
+
+It remembers the tensors of the payloads it wrote most recently (up to ``written_cache``
+bytes), so that reading one back, as a closer's learner does with the commit it just wrote and
+a closer does with the outer state it wrote the fragment's round before, needs no request: a
+payload is named by its key, SHA-256 and size, and the remembered tensors are the ones whose
+bytes had that digest (docs/decisions.md, "A node reads its own payloads from memory"). It
+remembers the snapshots it published the same way, but a snapshot is always read from the store:
+only when the stored bytes equal the published ones are the remembered record and tensors used
+in place of checking and parsing them again.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Literal, TypeVar
+
+import attrs
+
+from gradientmail._clock import Clock
+from gradientmail._events import Callback, Rejected, Retried
+from gradientmail.core import keys
+from gradientmail.core.codecs import Compression, compress_parts, decompress
+from gradientmail.core.effects import Created
+from gradientmail.core.envelope import Payload, payload_digest, seal, unseal
+from gradientmail.core.errors import FormatError
+from gradientmail.core.records import (
+    Claim,
+    Commit,
+    Lease,
+    Manifest,
+    PayloadRef,
+    Record,
+    Snapshot,
+    canonical,
+    read_record,
+    to_bytes,
+)
+from gradientmail.core.robust import RECORD_BOUND, oversized
+from gradientmail.core.signing import Keyring
+from gradientmail.core.tensors import TensorBytes
+from gradientmail.mailboxes._protocol import Mailbox, ObjectInfo, TransientMailboxError
+
+__all__ = ["WRITTEN_CACHE_BYTES", "Exchange", "new_nonce"]
+
+WRITTEN_CACHE_BYTES = 256 * 2**20
+"""Default bytes of tensor data an ``Exchange`` remembers of the payloads it wrote."""
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@attrs.frozen(eq=False)
+class _Remembered:
+    """Tensors this exchange wrote, with what a read must match to be given them: a payload's
+    reference (``ref``), or a snapshot's exact stored bytes (``blob``) and record."""
+
+    tensors: dict[str, TensorBytes]
+    size: int  # bytes held: tensor data, and the blob of a snapshot
+    ref: PayloadRef | None = None
+    blob: bytes | None = None
+    record: Snapshot | None = None
+
+
+def new_nonce() -> str:
+    """16 random hex digits: a writer's mark on what it creates."""
+    return secrets.token_hex(8)
+
+
+class Exchange:
+    """Records and payloads of one run in ``mailbox``, for node ``node``.
+
+    ``retries`` transient failures of one request are retried, ``backoff`` seconds after the
+    first and doubling; the last one is raised. With ``keyring`` (a signed run) every record
+    written is signed and every record read must verify (``core.signing``); without one,
+    records are written unsigned and signatures are not checked. ``written_cache`` bounds the
+    bytes of tensor data remembered of the payloads written last (0 remembers none).
+    """
+
+    def __init__(
+        self,
+        mailbox: Mailbox,
+        clock: Clock,
+        *,
+        node: str = "observer",
+        on_event: Callback | None = None,
+        retries: int = 6,
+        backoff: float = 0.05,
+        keyring: Keyring | None = None,
+        written_cache: int = WRITTEN_CACHE_BYTES,
+    ) -> None:
+        if written_cache < 0:
+            raise ValueError(f"written_cache must be >= 0 bytes, got {written_cache}")
+        self.mailbox = mailbox
+        self.keyring = keyring
+        self.clock = clock
+        self.node = node
+        self._on_event = on_event or (lambda event: None)
+        self._retries = retries
+        self._backoff = backoff
+        # Reasons already reported, so that an object re-read every poll (a forged commit
+        # squatting its key) is reported once, not once a poll.
+        self._reported: set[tuple[str, str]] = set()
+        # Payloads and snapshots written last, oldest first, shared by a node's two loops (two
+        # threads).
+        self._written: OrderedDict[str, _Remembered] = OrderedDict()
+        self._written_bytes = 0
+        self._written_limit = written_cache
+        self._written_lock = threading.Lock()
+
+    # -- requests with retries ---------------------------------------------------------
+
+    async def _retry(self, operation: str, key: str, call: Callable[[], Awaitable[T]]) -> T:
+        delay = self._backoff
+        for attempt in range(1, self._retries + 1):
+            try:
+                return await call()
+            except TransientMailboxError as exc:
+                if attempt == self._retries:
+                    raise
+                self._on_event(
+                    Retried(
+                        node=self.node,
+                        operation=operation,
+                        key=key,
+                        attempt=attempt,
+                        delay=delay,
+                        error=str(exc),
+                    )
+                )
+                await self.clock.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    async def get(self, key: str) -> bytes | None:
+        return await self._retry("get", key, lambda: self.mailbox.get(key))
+
+    async def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
+        await self._retry("put", key, lambda: self.mailbox.put(key, data, durable=durable))
+
+    async def create(self, key: str, data: bytes, *, durable: bool = True) -> bool:
+        """Create a payload at ``key``; True when the object there is ours, even if a retry saw
+        the key taken by our own first, unacknowledged write (a payload's key holds its
+        writer's nonce, so equal bytes are ours). ``durable`` as ``Mailbox.create``."""
+        outcome = await self._create(key, data, durable=durable)
+        if outcome != "ambiguous":
+            return outcome == "created"
+        return await self.get(key) == data
+
+    async def create_record(self, key: str, data: bytes, *, durable: bool = True) -> Created:
+        """Create the record ``data`` at ``key`` and say what became of it: created, taken,
+        or ambiguous (a try failed in transit, then the key was found taken), the record found
+        there read back for its nonce, which ``core.identity.ours`` judges (Decision 9)."""
+        outcome = await self._create(key, data, durable=durable)
+        if outcome != "ambiguous":
+            return Created(key=key, outcome=outcome)
+        return Created(key=key, outcome=outcome, nonce=await self._nonce_at(key))
+
+    async def _create(
+        self, key: str, data: bytes, *, durable: bool
+    ) -> Literal["created", "taken", "ambiguous"]:
+        retried = False
+
+        async def attempt() -> bool:
+            nonlocal retried
+            try:
+                return await self.mailbox.create(key, data, durable=durable)
+            except TransientMailboxError:
+                retried = True
+                raise
+
+        if await self._retry("create", key, attempt):
+            return "created"
+        return "ambiguous" if retried else "taken"
+
+    async def _nonce_at(self, key: str) -> str | None:
+        """The nonce of the record at ``key``, read without its signature checked (an identity
+        check: only our own nonce matters, and nobody else can know it); None if unreadable."""
+        blob = await self.get(key)
+        if blob is None:
+            return None
+        try:
+            value = json.loads(unseal(blob).record)
+        except (FormatError, ValueError):  # unreadable bytes are not ours
+            return None
+        nonce = value.get("nonce") if isinstance(value, dict) else None
+        return nonce if isinstance(nonce, str) else None
+
+    async def delete(self, key: str) -> None:
+        self.forget_written(key)
+        await self._retry("delete", key, lambda: self.mailbox.delete(key))
+
+    async def list_keys(self, prefix: str) -> list[str]:
+        return [info.key for info in await self._list(prefix)]
+
+    async def _list(self, prefix: str) -> list[ObjectInfo]:
+        return await self._retry("list", prefix, lambda: self.mailbox.list(prefix))
+
+    # -- records ----------------------------------------------------------------------
+
+    def reject(self, key: str, reason: str) -> None:
+        """Report that the object at ``key`` was not used, and why (once per key and reason)."""
+        if (key, reason) in self._reported:
+            return
+        if len(self._reported) >= 4096:
+            self._reported.clear()
+        self._reported.add((key, reason))
+        self._on_event(Rejected(node=self.node, key=key, reason=reason))
+
+    def _seal(
+        self, record: Record, payload: Payload = b"", compression: Compression = "off"
+    ) -> bytes:
+        return seal(to_bytes(record, self.keyring), payload, compression=compression)
+
+    async def _record(self, key: str, kind: type[R], *, verify: bool = True) -> R | None:
+        """The record at ``key``, None when absent; a corrupt object, or in a signed run an
+        unsigned or badly signed one, raises ``FormatError``."""
+        blob = await self.get(key)
+        if blob is None:
+            return None
+        verifier = self.keyring if verify else None
+        return read_record(unseal(blob).record, kind, key=key, verifier=verifier)
+
+    async def manifest(self, *, verify: bool = True) -> Manifest | None:
+        """The run's manifest; ``verify=False`` reads it without checking its signature (to
+        learn whether the run is signed before joining it)."""
+        return await self._record(keys.MANIFEST, Manifest, verify=verify)
+
+    async def create_manifest(self, manifest: Manifest) -> Created:
+        """Create the run's manifest (create-only: a run is created once)."""
+        return await self.create_record(keys.MANIFEST, self._seal(manifest))
+
+    async def put_manifest(self, manifest: Manifest) -> None:
+        """Overwrite the manifest with ``manifest`` signed by this keyring: only to re-sign the
+        same content after a key rotation (``run.resign_manifest``); never to change a run."""
+        await self.put(keys.MANIFEST, self._seal(manifest))
+
+    async def commit(self, r: int, *, verify: bool = True) -> Commit | None:
+        """Round ``r``'s commit record; ``FormatError`` when corrupt, unsigned or badly signed
+        in a signed run, or naming another round (a genuine record replayed under this key)."""
+        key = keys.commit(r)
+        commit = await self._record(key, Commit, verify=verify)
+        if commit is not None and commit.round != r:
+            raise FormatError(f"commit record names round {commit.round}", key=key)
+        return commit
+
+    async def create_commit(self, commit: Commit) -> Created:
+        """Create the round's commit record (create-only: a round commits once)."""
+        return await self.create_record(keys.commit(commit.round), self._seal(commit))
+
+    async def claims(self, r: int) -> list[Claim]:
+        """The valid claims of round ``r``; corrupt, oversized, forged or misplaced ones are
+        reported and left out."""
+        found = []
+        for info in await self._list(keys.claims(r)):
+            claim = await self._claim_at(info.key, size=info.size)
+            if claim is not None:
+                found.append(claim)
+        return found
+
+    async def claim_at(self, r: int, attempt: int) -> Claim | None:
+        """The valid claim of ``attempt`` of round ``r``, None when absent or invalid."""
+        return await self._claim_at(keys.claim(r, attempt))
+
+    async def _claim_at(self, key: str, *, size: int | None = None) -> Claim | None:
+        try:
+            parsed = keys.parse(key)
+        except FormatError:
+            parsed = None
+        if parsed is None or parsed.kind != "claim":
+            self.reject(key, "not a claim key")
+            return None
+        too_big = None if size is None else oversized(size, RECORD_BOUND)
+        if too_big is not None:
+            self.reject(key, too_big)
+            return None
+        try:
+            claim = await self._record(key, Claim)
+        except FormatError as exc:
+            self.reject(key, str(exc))
+            return None
+        if claim is not None and (claim.attempt, claim.round) != (parsed.attempt, parsed.round):
+            self.reject(key, f"claim record names round {claim.round} attempt {claim.attempt}")
+            return None
+        return claim
+
+    async def claim(self, claim: Claim) -> Created:
+        # Not durable (docs/decisions.md, "What must survive a crash"): a claim lost
+        # with the machine only costs duplicate work.
+        key = keys.claim(claim.round, claim.attempt)
+        return await self.create_record(key, self._seal(claim), durable=False)
+
+    async def reporters(self, r: int) -> list[str]:
+        """Nodes with a snapshot under round ``r`` (key names only: one LIST)."""
+        return sorted(await self.snapshot_sizes(r))
+
+    async def snapshot_sizes(self, r: int) -> dict[str, int]:
+        """Each node with a snapshot under round ``r`` and the object's size in bytes, from one
+        LIST (so that an oversized object is refused before it is downloaded)."""
+        sizes = {}
+        for info in await self._list(keys.snapshots(r)):
+            try:
+                parsed = keys.parse(info.key)
+            except FormatError:
+                self.reject(info.key, "not a snapshot key")
+                continue
+            if parsed.kind == "snapshot" and parsed.node is not None:
+                sizes[parsed.node] = info.size
+        return sizes
+
+    async def publish(
+        self,
+        snapshot: Snapshot,
+        payload: Payload,
+        compression: Compression,
+        tensors: Mapping[str, TensorBytes] | None = None,
+    ) -> Created:
+        """Create this node's snapshot of a round (``core.identity.ours`` judges whether the
+        key then holds ours). ``tensors``, the payload's tensors before compression, are
+        remembered: a ``snapshot`` read that finds the very bytes published returns them
+        without verifying and parsing the bytes again."""
+        key = keys.snapshot(snapshot.round, snapshot.node)
+        blob = self._seal(snapshot, payload, compression)
+        # Not durable (docs/decisions.md, "What must survive a crash"): a snapshot
+        # lost with the machine is a round missed by its node, which crashed with it.
+        created = await self.create_record(key, blob, durable=False)
+        if created.outcome != "taken" and tensors is not None:
+            self._remember(key, tensors, blob=blob, record=snapshot)
+        return created
+
+    async def snapshot(
+        self, r: int, node: str, *, limit: int
+    ) -> tuple[Snapshot, dict[str, TensorBytes]] | None:
+        """A snapshot and its payload tensors; ``FormatError`` when corrupt or mismatched."""
+        key = keys.snapshot(r, node)
+        blob = await self.get(key)
+        if blob is None:
+            return None
+        with self._written_lock:
+            mine = self._written.get(key)
+        if mine is not None and mine.record is not None and blob == mine.blob:
+            # The very bytes this node published, which pass every check below.
+            return mine.record, dict(mine.tensors)
+        sealed = unseal(blob)
+        record = read_record(sealed.record, Snapshot, key=key, verifier=self.keyring)
+        if payload_digest(sealed.payload) != record.digest:
+            raise FormatError("payload does not match the record's digest", key=key)
+        try:
+            tensors = decompress(sealed.payload, sealed.compression, limit=limit)
+        except FormatError as exc:
+            raise FormatError(f"payload: {exc}", key=key) from None
+        return record, tensors
+
+    # -- payloads ---------------------------------------------------------------------
+
+    async def write_payload(
+        self, key: str, tensors: Mapping[str, TensorBytes], compression: Compression
+    ) -> PayloadRef:
+        payload = compress_parts(tensors, compression)
+        blob = seal(
+            canonical({"format": 1, "kind": "payload", "key": key}),
+            payload,
+            compression=compression,
+        )
+        if not await self.create(key, blob):
+            raise FormatError("payload key already taken (nonce collision)", key=key)
+        ref = PayloadRef(key=key, digest=payload_digest(payload), size=len(blob))
+        self._remember(key, tensors, ref=ref)
+        return ref
+
+    async def read_payload(self, ref: PayloadRef, *, limit: int) -> dict[str, TensorBytes] | None:
+        """The tensors of ``ref``, verified against its digest; None when the object is gone
+        (collected); ``FormatError`` when it is corrupt. A payload this exchange wrote and still
+        remembers, under the same key, digest and size, is returned without a request."""
+        remembered = self._recall_written(ref)
+        if remembered is not None:
+            return remembered
+        blob = await self.get(ref.key)
+        if blob is None:
+            return None
+        if len(blob) != ref.size:
+            raise FormatError(
+                f"payload is {len(blob)} bytes, its record says {ref.size}", key=ref.key
+            )
+        sealed = unseal(blob)
+        if payload_digest(sealed.payload) != ref.digest:
+            raise FormatError("payload does not match the record's digest", key=ref.key)
+        try:
+            return decompress(sealed.payload, sealed.compression, limit=limit)
+        except FormatError as exc:
+            raise FormatError(f"payload: {exc}", key=ref.key) from None
+
+    def _remember(
+        self,
+        key: str,
+        tensors: Mapping[str, TensorBytes],
+        *,
+        ref: PayloadRef | None = None,
+        blob: bytes | None = None,
+        record: Snapshot | None = None,
+    ) -> None:
+        size = sum(len(t.data) for t in tensors.values()) + len(blob or b"")
+        if size > self._written_limit:
+            return
+        entry = _Remembered(
+            tensors=dict(sorted(tensors.items())), size=size, ref=ref, blob=blob, record=record
+        )
+        self.forget_written(key)
+        with self._written_lock:
+            self._written[key] = entry
+            self._written_bytes += entry.size
+            while self._written_bytes > self._written_limit:
+                _, dropped = self._written.popitem(last=False)
+                self._written_bytes -= dropped.size
+
+    def _recall_written(self, ref: PayloadRef) -> dict[str, TensorBytes] | None:
+        with self._written_lock:
+            entry = self._written.get(ref.key)
+        if entry is None or entry.ref != ref:
+            return None
+        return dict(entry.tensors)
+
+    def forget_written(self, *keys: str) -> None:
+        """Stop remembering the payloads or snapshots at ``keys`` (superseded or closed ones):
+        a later read of one is verified and parsed from the store's bytes."""
+        with self._written_lock:
+            for key in keys:
+                entry = self._written.pop(key, None)
+                if entry is not None:
+                    self._written_bytes -= entry.size
+
+    @property
+    def written_limit(self) -> int:
+        """The budget, in bytes, for remembering what this node wrote (``written_cache``)."""
+        return self._written_limit
+
+    @property
+    def remembered_bytes(self) -> int:
+        """Bytes held of the payloads and snapshots written last (at most ``written_cache``):
+        tensor data, and a snapshot's stored bytes."""
+        with self._written_lock:
+            return self._written_bytes
+
+    # -- leases and hints -------------------------------------------------------------
+
+    async def put_lease(self, lease: Lease) -> None:
+        # Not durable (docs/decisions.md, "What must survive a crash"): a lease lost
+        # with the machine was its crashed node's.
+        await self.put(keys.lease(lease.node), self._seal(lease), durable=False)
+
+    async def lease(self, node: str) -> Lease | None:
+        return await self._record(keys.lease(node), Lease)
+
+    async def lease_infos(self) -> dict[str, ObjectInfo]:
+        """Every lease's listing entry (version and size) from one LIST of ``leases/``;
+        oversized ones are reported and left out before any download."""
+        found = {}
+        for info in await self._list(keys.LEASES):
+            try:
+                parsed = keys.parse(info.key)
+            except FormatError:
+                self.reject(info.key, "not a lease key")
+                continue
+            too_big = oversized(info.size, RECORD_BOUND)
+            if too_big is not None:
+                self.reject(info.key, too_big)
+                continue
+            if parsed.kind == "lease" and parsed.node is not None:
+                found[parsed.node] = info
+        return found
+
+    async def head(self, fragment: int) -> int | None:
+        """The advisory newest commit round of ``fragment`` (may be stale or absent)."""
+        blob = await self.get(keys.head(fragment))
+        if blob is None:
+            return None
+        try:
+            value = int(blob.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            self.reject(keys.head(fragment), "not a round number")
+            return None
+        return value if value >= 0 else None
+
+    async def put_head(self, fragment: int, r: int) -> None:
+        # Not durable (docs/decisions.md, "What must survive a crash"): a hint, and an
+        # unreadable one is ignored.
+        await self.put(keys.head(fragment), str(r).encode("ascii"), durable=False)

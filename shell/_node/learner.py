@@ -1,0 +1,219 @@
+"""The learner loop's executor: it carries out what ``core.polling`` decides.
+
+Uploads encode, quantize, compress and create what the training thread captured; polls GET a
+fragment's next commit; reads load and verify a commit's parameters (or take the ones this
+node's closer handed over); deliveries hand them to the training thread. Every ``if`` here is
+about I/O: which request, and how its outcome is reported back as a result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from gradientmail._clock import Clock
+from gradientmail._events import Callback, Published, Rejected
+from gradientmail._node.drive import Inbox, drive
+from gradientmail._node.exchange import Exchange
+from gradientmail._node.handoff import Handoff, Handover, Job, OwnSnapshot, Ready
+from gradientmail._node.payloads import read_fragment
+from gradientmail.adapters.base import Backend, Tensors
+from gradientmail.core import polling
+from gradientmail.core.codecs import Compression, compress_parts
+from gradientmail.core.effects import (
+    CommitRead,
+    Deliver,
+    Effect,
+    HeadRead,
+    Missed,
+    ParamsRead,
+    PollCommit,
+    ReadCommit,
+    ReadHead,
+    ReadParams,
+    Result,
+    Seen,
+    Upload,
+    Uploaded,
+    Watch,
+)
+from gradientmail.core.effects import Rejected as Reject
+from gradientmail.core.envelope import payload_digest
+from gradientmail.core.errors import NonFinite, RejectedObject, SchemaMismatch
+from gradientmail.core.records import Commit, Manifest, Snapshot
+from gradientmail.core.tensors import TensorBytes
+
+__all__ = ["LearnerLoop", "read_commit", "read_params"]
+
+UNTRUSTED = (RejectedObject, SchemaMismatch, NonFinite)
+"""What reading another node's bytes may raise: the object is not used, never the loop's end."""
+
+
+async def read_commit(exchange: Exchange, r: int, *, verify: bool = True) -> CommitRead:
+    """GET round ``r``'s commit record as a result (a record that does not verify, or names
+    another round, comes back rejected)."""
+    try:
+        return CommitRead(round=r, commit=await exchange.commit(r, verify=verify))
+    except RejectedObject as exc:
+        return CommitRead(round=r, commit=None, rejected=str(exc))
+
+
+async def read_params(
+    exchange: Exchange, manifest: Manifest, k: int, commit: Commit | None
+) -> tuple[ParamsRead, dict[str, TensorBytes] | None]:
+    """Load and verify the parameters ``commit`` names (the initial ones when None)."""
+    ref = commit.params if commit is not None else manifest.init[k]
+    try:
+        found = await read_fragment(exchange, ref, manifest.fragment_schema(k))
+    except UNTRUSTED as exc:
+        return ParamsRead(fragment=k, commit=commit, present=False, rejected=str(exc)), None
+    if found is None:
+        return ParamsRead(fragment=k, commit=commit, present=False), None
+    return ParamsRead(fragment=k, commit=commit, present=True), found
+
+
+class LearnerLoop:
+    def __init__(
+        self,
+        *,
+        settings: polling.Settings,
+        state: polling.PollState,
+        exchange: Exchange,
+        backend: Backend,
+        compression: Compression,
+        handoff: Handoff,
+        handover: Handover,
+        inbox: Inbox,
+        syncer: Inbox,
+        on_event: Callback,
+    ) -> None:
+        self.settings = settings
+        self.state = state
+        self.inbox = inbox
+        self._exchange = exchange
+        self._backend = backend
+        self._compression = compression
+        self._handoff = handoff
+        self._handover = handover
+        self._syncer = syncer
+        self._on_event = on_event
+        self._manifest = settings.manifest
+        self._algorithm = settings.manifest.algorithm
+        K = self._algorithm.fragments
+        self._residual: list[Tensors | None] = [None] * K
+        self._params: dict[int, tuple[Commit, Tensors]] = {}
+        self._sent: dict[int, tuple[Job, Snapshot, Tensors, int]] = {}
+        self._handlers: dict[type, Callable[[Any], Awaitable[Result | None]]] = {
+            Upload: self._upload,
+            Watch: self._watch,
+            Missed: self._missed,
+            PollCommit: self._poll,
+            ReadCommit: self._read_commit,
+            ReadHead: self._read_head,
+            ReadParams: self._read_params,
+            Deliver: self._deliver,
+            Seen: self._seen,
+            Reject: self._reject,
+        }
+
+    async def run(self, clock: Clock) -> None:
+        """Upload captures and fetch commits until stopped (``Stop`` in the inbox)."""
+        await drive(
+            "learner",
+            polling.step,
+            self.state,
+            self.execute,
+            clock=clock,
+            inbox=self.inbox,
+            settings=self.settings,
+            keep=self._keep,
+        )
+
+    def _keep(self, state: polling.PollState) -> None:
+        self.state = state
+
+    async def execute(self, effect: Effect) -> Result | None:
+        return await self._handlers[type(effect)](effect)
+
+    async def _upload(self, upload: Upload) -> Result | None:
+        job, drop = self._handoff.take_job(upload.round)
+        for k in drop:  # rebased since: the error feedback of the missed snapshot goes
+            self._residual[k] = None
+        if job is None:
+            return None
+        publish, k = job.publish, job.publish.fragment
+        self._backend.ready(job.captured)
+        delta = self._backend.delta(job.base, job.captured, self._residual[k])
+        payload, residual = self._backend.encode(delta, self._algorithm.quantization)
+        if self._algorithm.quantization is not None:
+            self._residual[k] = residual
+        data = compress_parts(payload, self._compression)
+        snapshot = Snapshot(
+            node=self.settings.node,
+            nonce=job.nonce,
+            round=publish.round,
+            base_round=publish.base_round,
+            samples=publish.samples,
+            steps=publish.steps,
+            digest=payload_digest(data),
+        )
+        created = await self._exchange.publish(snapshot, data, self._compression, payload)
+        self._sent[publish.round] = (job, snapshot, delta, sum(len(part) for part in data))
+        return Uploaded(round=publish.round, created=created)
+
+    async def _watch(self, watch: Watch) -> None:
+        job, snapshot, delta, size = self._sent.pop(watch.round)
+        if watch.ours:
+            if self._algorithm.quantization is None:  # the payload holds the delta's F32 bytes
+                own = OwnSnapshot(nonce=snapshot.nonce, digest=snapshot.digest, delta=delta)
+                self._handover.put_own(watch.round, own)
+            publish = job.publish
+            self._on_event(
+                Published(
+                    node=self.settings.node,
+                    round=publish.round,
+                    fragment=publish.fragment,
+                    samples=publish.samples,
+                    steps=publish.steps,
+                    bytes=size,
+                )
+            )
+        self._syncer.put(watch)
+
+    async def _missed(self, missed: Missed) -> None:
+        reason = "another incarnation's snapshot holds this node's key: round missed"
+        self._on_event(
+            Rejected(node=self.settings.node, key=f"round {missed.round}", reason=reason)
+        )
+
+    async def _poll(self, poll: PollCommit) -> Result:
+        return await read_commit(self._exchange, poll.round)
+
+    async def _read_commit(self, read: ReadCommit) -> Result:
+        return await read_commit(self._exchange, read.round, verify=read.verify)
+
+    async def _read_head(self, read: ReadHead) -> Result:
+        return HeadRead(fragment=read.fragment, round=await self._exchange.head(read.fragment))
+
+    async def _read_params(self, read: ReadParams) -> Result:
+        k, commit = read.fragment, read.commit
+        # A commit this node's closer wrote comes with its parameters: what the store holds.
+        handed = self._handover.take_params(commit) if commit is not None else None
+        if handed is not None and commit is not None:
+            self._params[k] = (commit, handed)
+            return ParamsRead(fragment=k, commit=commit, present=True)
+        result, found = await read_params(self._exchange, self._manifest, k, commit)
+        if found is not None and commit is not None:
+            self._params[k] = (commit, self._backend.load(found))
+        return result
+
+    async def _deliver(self, deliver: Deliver) -> None:
+        commit, tensors = self._params.pop(deliver.commit.fragment)
+        assert commit == deliver.commit
+        self._handoff.deliver(Ready(commit=commit, tensors=tensors, counted=deliver.counted))
+
+    async def _seen(self, seen: Seen) -> None:
+        self._syncer.put(seen)
+
+    async def _reject(self, reject: Reject) -> None:
+        self._exchange.reject(reject.key, reject.reason)

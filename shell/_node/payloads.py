@@ -1,0 +1,83 @@
+"""Reading and writing a commit's payloads (``core.payloads`` says what they hold)."""
+
+from __future__ import annotations
+
+from gradientmail._node.exchange import Exchange
+from gradientmail.adapters.base import Backend, Tensors
+from gradientmail.core.errors import FormatError
+from gradientmail.core.payloads import all_f32, outer_state_schema, payload_limit
+from gradientmail.core.records import Commit, Manifest, PayloadRef
+from gradientmail.core.tensors import Schema, TensorBytes, validate
+
+__all__ = ["outer_state", "read_base", "read_fragment", "read_outer_state"]
+
+
+async def read_fragment(
+    exchange: Exchange, ref: PayloadRef, schema: Schema
+) -> dict[str, TensorBytes] | None:
+    """A fragment's parameters from ``ref``, checked against ``schema``; None when gone.
+    ``FormatError`` or ``SchemaMismatch`` when the payload is corrupt or holds other tensors."""
+    tensors = await exchange.read_payload(ref, limit=payload_limit(schema))
+    if tensors is None:
+        return None
+    if sorted(tensors) != list(schema.names):
+        raise FormatError(
+            f"holds {sorted(set(tensors) ^ set(schema.names))} unlike the fragment", key=ref.key
+        )
+    validate(schema, tensors, schema.names)
+    return tensors
+
+
+def outer_state(
+    backend: Backend, schema: Schema, master: Tensors, momentum: Tensors
+) -> dict[str, TensorBytes]:
+    """The ``state`` payload of a commit whose outer step left ``master`` and ``momentum``."""
+    state = {f"momentum.{n}": t for n, t in backend.dump(momentum).items()}
+    if not all_f32(schema):
+        state |= {f"master.{n}": t for n, t in backend.dump(master).items()}
+    return state
+
+
+async def read_outer_state(
+    exchange: Exchange, backend: Backend, commit: Commit, schema: Schema
+) -> tuple[Tensors, Tensors] | None:
+    """The F32 master parameters and momentum that ``commit`` left for the fragment of
+    ``schema``; None when a payload is gone (collected). A state that also holds the master of
+    F32 parameters (as written before it was stored once) is read as well. ``FormatError``
+    names the payload that is corrupt or holds other tensors."""
+    state = await exchange.read_payload(commit.state, limit=payload_limit(schema))
+    if state is None:
+        return None
+    layouts = (outer_state_schema(schema, master=True), outer_state_schema(schema))
+    layout = next((s for s in layouts if list(s.names) == sorted(state)), None)
+    if layout is None:
+        unlike = sorted(set(state) ^ set(layouts[1].names))
+        raise FormatError(
+            f"holds {unlike[:8]} unlike the fragment's outer state", key=commit.state.key
+        )
+    validate(layout, state, layout.names)
+    loaded = backend.load(state)
+    if layout is layouts[0]:  # the master is in the state
+        master = {n: loaded[f"master.{n}"] for n in schema.names}
+    else:
+        params = await read_fragment(exchange, commit.params, schema)
+        if params is None:
+            return None
+        master = backend.load(params)
+    return master, {n: loaded[f"momentum.{n}"] for n in schema.names}
+
+
+async def read_base(
+    exchange: Exchange, backend: Backend, manifest: Manifest, fragment: int, before: Commit | None
+) -> tuple[Tensors, Tensors | None] | None:
+    """The F32 master parameters and momentum an outer step of ``fragment`` starts from: those
+    ``before``, the fragment's previous commit, left (``read_outer_state``), or for the
+    fragment's first round (``before`` None) its initial parameters cast to F32 and no momentum.
+    None when a payload is gone (collected)."""
+    schema = manifest.fragment_schema(fragment)
+    if before is not None:
+        return await read_outer_state(exchange, backend, before, schema)
+    init = await read_fragment(exchange, manifest.init[fragment], schema)
+    if init is None:
+        return None
+    return backend.cast(backend.load(init), schema.f32), None

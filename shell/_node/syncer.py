@@ -1,0 +1,340 @@
+"""The syncer loop's executor: it carries out what ``core.syncer`` and ``core.closing`` decide.
+
+It keeps each round's workspace while this node closes it: the decoded deltas, the outer state
+the step starts from, and after the step the parameters it wrote. A closer's own snapshot is
+taken from what its learner encoded when the stored bytes are the very ones it published, and
+the outer state of the last commit it wrote of a fragment is kept in memory (within the
+exchange's budget for what the node wrote) for the fragment's next step: both are what reading
+the store would give. Every ``if`` here is about I/O and those caches.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+
+from gradientmail._clock import Clock
+from gradientmail._events import (
+    Callback,
+    Claimed,
+    Clipped,
+    Committed,
+    Excluded,
+    LeaseExpired,
+    TookOver,
+)
+from gradientmail._node.drive import Inbox, drive
+from gradientmail._node.exchange import Exchange
+from gradientmail._node.handoff import Handover
+from gradientmail._node.learner import UNTRUSTED, read_commit
+from gradientmail._node.payloads import outer_state, read_base
+from gradientmail.adapters.base import Backend, Tensors
+from gradientmail.core import effects as fx
+from gradientmail.core import keys, syncer
+from gradientmail.core.codecs import Compression
+from gradientmail.core.payloads import payload_limit
+from gradientmail.core.records import Commit
+
+__all__ = ["SyncerLoop"]
+
+
+@attrs.define(eq=False)
+class _Workspace:
+    """One round's tensors while this node closes it."""
+
+    deltas: dict[str, Tensors] = attrs.Factory(dict)
+    master: Tensors | None = None
+    momentum: Tensors | None = None
+    params: Tensors | None = None
+
+
+@attrs.frozen(kw_only=True)
+class _Kept:
+    """The F32 master parameters and momentum of a commit this node wrote, as its outer step
+    left them: the next outer step of the fragment starts from them when it is this node's."""
+
+    round: int
+    nonce: str
+    master: Tensors
+    momentum: Tensors
+    size: int  # bytes: both in F32
+
+
+class SyncerLoop:
+    def __init__(
+        self,
+        *,
+        settings: syncer.Settings,
+        state: syncer.SyncerState,
+        exchange: Exchange,
+        backend: Backend,
+        compression: Compression,
+        handover: Handover,
+        inbox: Inbox,
+        learner: Inbox,
+        nonces: Callable[[], str],
+        on_event: Callback,
+    ) -> None:
+        self.settings = settings
+        self.state = state
+        self.inbox = inbox
+        self._exchange = exchange
+        self._backend = backend
+        self._compression = compression
+        self._handover = handover
+        self._learner = learner
+        self._nonces = nonces
+        self._on_event = on_event
+        self._manifest = settings.manifest
+        self._node = settings.node
+        self._work: dict[int, _Workspace] = {}
+        self._kept: OrderedDict[int, _Kept] = OrderedDict()
+        self._handlers: dict[type, Callable[[Any], Awaitable[fx.Result | None]]] = {
+            fx.RenewLease: self._renew,
+            fx.ListLeases: self._list_leases,
+            fx.ReadLease: self._read_lease,
+            fx.ListSnapshots: self._list_snapshots,
+            fx.ListClaims: self._list_claims,
+            fx.CreateClaim: self._create_claim,
+            fx.ReadClaim: self._read_claim,
+            fx.ReadSnapshot: self._read_snapshot,
+            fx.Norms: self._norms,
+            fx.ReadOuterState: self._read_outer_state,
+            fx.OuterStep: self._outer_step,
+            fx.CreateCommit: self._create_commit,
+            fx.Committed: self._committed,
+            fx.ReadCommit: self._read_commit,
+            fx.PutHead: self._put_head,
+            fx.ListRound: self._list_round,
+            fx.Delete: self._delete,
+            fx.Forget: self._forget,
+            fx.Drop: self._drop,
+            fx.Claimed: self._claimed,
+            fx.Excluded: self._excluded,
+            fx.Clipped: self._clipped,
+            fx.Expired: self._expired,
+            fx.Rejected: self._reject,
+        }
+
+    async def run(self, clock: Clock) -> None:
+        """Keep the lease, watch the rounds and close them until stopped."""
+        await drive(
+            "syncer",
+            syncer.step,
+            self.state,
+            self.execute,
+            clock=clock,
+            inbox=self.inbox,
+            settings=self.settings,
+            keep=self._keep,
+        )
+
+    def _keep(self, state: syncer.SyncerState) -> None:
+        self.state = state
+
+    async def execute(self, effect: fx.Effect) -> fx.Result | None:
+        return await self._handlers[type(effect)](effect)
+
+    def _work_of(self, r: int) -> _Workspace:
+        return self._work.setdefault(r, _Workspace())
+
+    # -- leases -------------------------------------------------------------------------
+
+    async def _renew(self, renew: fx.RenewLease) -> None:
+        await self._exchange.put_lease(renew.lease)
+
+    async def _list_leases(self, _: fx.ListLeases) -> fx.Result:
+        infos = await self._exchange.lease_infos()
+        entries = tuple((node, info.version, info.size) for node, info in sorted(infos.items()))
+        return fx.LeasesListed(entries=entries)
+
+    async def _read_lease(self, read: fx.ReadLease) -> fx.Result:
+        try:
+            return fx.LeaseRead(node=read.node, lease=await self._exchange.lease(read.node))
+        except UNTRUSTED as exc:
+            return fx.LeaseRead(node=read.node, lease=None, rejected=str(exc))
+
+    # -- a round's view -----------------------------------------------------------------
+
+    async def _list_snapshots(self, listing: fx.ListSnapshots) -> fx.Result:
+        sizes = await self._exchange.snapshot_sizes(listing.round)
+        return fx.SnapshotsListed(round=listing.round, sizes=tuple(sorted(sizes.items())))
+
+    async def _list_claims(self, listing: fx.ListClaims) -> fx.Result:
+        claims = tuple(await self._exchange.claims(listing.round))
+        return fx.ClaimsRead(round=listing.round, claims=claims)
+
+    async def _read_commit(self, read: fx.ReadCommit) -> fx.Result:
+        return await read_commit(self._exchange, read.round, verify=read.verify)
+
+    # -- a close --------------------------------------------------------------------------
+
+    async def _create_claim(self, create: fx.CreateClaim) -> fx.Result:
+        return await self._exchange.claim(create.claim)
+
+    async def _read_claim(self, read: fx.ReadClaim) -> fx.Result:
+        claim = await self._exchange.claim_at(read.round, read.attempt)
+        return fx.ClaimRead(round=read.round, attempt=read.attempt, claim=claim)
+
+    async def _read_snapshot(self, read: fx.ReadSnapshot) -> fx.Result:
+        r, node = read.round, read.node
+        schema = self._manifest.fragment_schema(r % self._manifest.algorithm.fragments)
+        try:
+            found = await self._exchange.snapshot(r, node, limit=payload_limit(schema))
+            if found is None:
+                return fx.SnapshotRead(round=r, node=node, record=None)
+            record, payload = found
+            own = self._handover.own(r) if node == self._node else None
+            if own is not None and (record.nonce, record.digest) == (own.nonce, own.digest):
+                # This node's own payload (its digest verified or its bytes compared):
+                # decoding it would give back the very delta the learner encoded.
+                delta = own.delta
+            else:
+                delta = self._backend.decode(payload, schema)
+        except UNTRUSTED as exc:
+            return fx.SnapshotRead(round=r, node=node, record=None, rejected=str(exc))
+        self._work_of(r).deltas[node] = delta
+        return fx.SnapshotRead(round=r, node=node, record=record)
+
+    async def _norms(self, norms: fx.Norms) -> fx.Result:
+        deltas = self._work_of(norms.round).deltas
+        found = tuple((n, self._backend.norm(deltas[n])) for n in norms.nodes)
+        return fx.NormsRead(round=norms.round, norms=found)
+
+    async def _read_outer_state(self, read: fx.ReadOuterState) -> fx.Result:
+        base, k = read.base, read.fragment
+        kept = self._kept.get(k)
+        momentum: Tensors | None
+        ours = base is not None and kept is not None and kept.nonce == base.nonce
+        if kept is not None and base is not None and ours and kept.round == base.round:
+            master, momentum = kept.master, kept.momentum  # our own commit: what it stored
+        else:
+            try:
+                state = await read_base(self._exchange, self._backend, self._manifest, k, base)
+            except UNTRUSTED as exc:
+                return fx.BaseRead(round=read.round, present=False, rejected=str(exc))
+            if state is None:
+                return fx.BaseRead(round=read.round, present=False)
+            master, momentum = state
+        work = self._work_of(read.round)
+        work.master, work.momentum = master, momentum
+        return fx.BaseRead(round=read.round, present=True)
+
+    async def _outer_step(self, step: fx.OuterStep) -> fx.Result:
+        r, k = step.round, step.fragment
+        work = self._work_of(r)
+        assert work.master is not None
+        algorithm = self._manifest.algorithm
+        schema = self._manifest.fragment_schema(k)
+        gradient = self._backend.weighted_sum(
+            [(w, work.deltas[n]) for w, n in zip(step.weights, step.nodes, strict=True)]
+        )
+        master, momentum = self._backend.outer_step(
+            work.master,
+            work.momentum,
+            gradient,
+            lr=algorithm.outer_lr,
+            beta=algorithm.outer_momentum,
+            nesterov=algorithm.nesterov,
+        )
+        work.deltas.clear()
+        work.master, work.momentum = master, momentum
+        work.params = self._backend.cast(master, schema)
+        nonce = self._nonces()
+        try:
+            params = await self._exchange.write_payload(
+                keys.params(r, nonce), self._backend.dump(work.params), self._compression
+            )
+            state = await self._exchange.write_payload(
+                keys.state(r, nonce),
+                outer_state(self._backend, schema, master, momentum),
+                self._compression,
+            )
+        except UNTRUSTED as exc:  # a payload key taken: report, and look again later
+            return fx.Written(round=r, nonce=nonce, params=None, state=None, failed=str(exc))
+        return fx.Written(round=r, nonce=nonce, params=params, state=state)
+
+    async def _create_commit(self, create: fx.CreateCommit) -> fx.Result:
+        return await self._exchange.create_commit(create.commit)
+
+    async def _committed(self, committed: fx.Committed) -> None:
+        commit = committed.commit
+        work = self._work_of(commit.round)
+        # The step's outer state (its momentum is never None after a step).
+        assert work.master is not None and work.momentum is not None and work.params is not None
+        self._keep_state(commit, work.master, work.momentum)
+        self._handover.put_params(commit, work.params)
+        self._learner.put(committed)
+        self._on_event(
+            Committed(
+                node=self._node,
+                round=commit.round,
+                fragment=commit.fragment,
+                attempt=commit.attempt,
+                included=len(commit.included),
+                samples=commit.samples,
+                seconds=committed.seconds,
+            )
+        )
+
+    def _keep_state(self, commit: Commit, master: Tensors, momentum: Tensors) -> None:
+        """Keep the outer state ``commit`` stored, as tensors, for the fragment's next outer
+        step: reading it back would be the store's bytes of exactly these tensors."""
+        self._kept.pop(commit.fragment, None)
+        size = 2 * self._manifest.fragment_schema(commit.fragment).f32.nbytes()
+        limit = self._exchange.written_limit
+        if size > limit:
+            return
+        while self._kept and sum(kept.size for kept in self._kept.values()) + size > limit:
+            self._kept.popitem(last=False)
+        self._kept[commit.fragment] = _Kept(
+            round=commit.round, nonce=commit.nonce, master=master, momentum=momentum, size=size
+        )
+
+    async def _put_head(self, put: fx.PutHead) -> None:
+        await self._exchange.put_head(put.fragment, put.round)
+
+    async def _list_round(self, listing: fx.ListRound) -> fx.Result:
+        found = await self._exchange.list_keys(keys.round_prefix(listing.round))
+        return fx.RoundListed(round=listing.round, keys=tuple(found))
+
+    async def _delete(self, delete: fx.Delete) -> None:
+        for key in delete.keys:
+            await self._exchange.delete(key)
+
+    async def _forget(self, forget: fx.Forget) -> None:
+        self._exchange.forget_written(*forget.keys)
+        for key in forget.keys:
+            parsed = keys.parse(key)
+            if parsed.kind == "snapshot" and parsed.round is not None:
+                self._handover.drop_own(parsed.round)
+
+    async def _drop(self, drop: fx.Drop) -> None:
+        self._work.pop(drop.round, None)
+
+    # -- reports --------------------------------------------------------------------------
+
+    async def _claimed(self, claimed: fx.Claimed) -> None:
+        event = TookOver if claimed.attempt > 0 else Claimed
+        self._on_event(event(node=self._node, round=claimed.round, attempt=claimed.attempt))
+
+    async def _excluded(self, excluded: fx.Excluded) -> None:
+        key = keys.snapshot(excluded.round, excluded.node)
+        self._on_event(
+            Excluded(node=self._node, round=excluded.round, key=key, reason=excluded.reason)
+        )
+
+    async def _clipped(self, clipped: fx.Clipped) -> None:
+        key = keys.snapshot(clipped.round, clipped.node)
+        self._on_event(
+            Clipped(node=self._node, round=clipped.round, key=key, factor=clipped.factor)
+        )
+
+    async def _expired(self, expired: fx.Expired) -> None:
+        self._on_event(LeaseExpired(observer=self._node, node=expired.node))
+
+    async def _reject(self, reject: fx.Rejected) -> None:
+        self._exchange.reject(reject.key, reject.reason)

@@ -1,0 +1,134 @@
+"""The training thread's side of a node: every ``step`` counts through the core learner rules,
+captures a fragment when they publish it (a device-side copy; no I/O), and merges the commits
+the learner loop delivered, at the step boundary (Decision 1: only the training thread writes
+model parameters)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gradientmail._events import Callback, Merged, Rebased
+from gradientmail._node.drive import Inbox
+from gradientmail._node.handoff import Handoff, Job
+from gradientmail.adapters.base import Adapter, Backend, Tensors
+from gradientmail.core import learner
+from gradientmail.core.effects import Captured, Merge, Publish
+from gradientmail.core.effects import Rebased as Rebase
+from gradientmail.core.records import Manifest
+from gradientmail.core.rules import Rules
+
+__all__ = ["Trainer"]
+
+
+class Trainer:
+    """A node's training side over a joined run (``Node.join`` builds it)."""
+
+    def __init__(
+        self,
+        *,
+        adapter: Adapter,
+        backend: Backend,
+        manifest: Manifest,
+        node: str,
+        state: learner.LearnerState,
+        base: Sequence[Tensors],
+        handoff: Handoff,
+        loop: Inbox,
+        on_event: Callback,
+        rules: Rules,
+    ) -> None:
+        self.node = node
+        self.algorithm = manifest.algorithm
+        self.state = state
+        self.rounds_seen = max(f.merged for f in state.fragments)
+        self._adapter = adapter
+        self._backend = backend
+        self._manifest = manifest
+        self._handoff = handoff
+        self._loop = loop
+        self._on_event = on_event
+        self._rules = rules
+        self._base = list(base)
+        self._captured: list[Tensors | None] = [None] * self.algorithm.fragments
+
+    def advance(self, samples: int) -> None:
+        """Apply ready commits, then count one inner step of ``samples`` tokens."""
+        self._apply_ready()
+        self.state, effects = learner.step(self.state, self.algorithm, samples)
+        self._execute(effects, None)
+
+    def blocked(self) -> learner.Blocked | None:
+        """Apply ready commits; what ``step`` still waits for, or None."""
+        self._apply_ready()
+        return learner.waiting_on(self.state, self.algorithm)
+
+    def close(self) -> None:
+        """Publish what every fragment trained since its last snapshot (Decision 11)."""
+        self._apply_ready()
+        self.state, effects = learner.close(self.state, self.algorithm)
+        self._execute(effects, None)
+
+    @property
+    def done(self) -> bool:
+        """Closing, nothing in flight and nothing left to publish."""
+        self._apply_ready()
+        return learner.done(self.state)
+
+    def outstanding(self) -> list[int]:
+        return [f.outstanding for f in self.state.fragments if f.outstanding is not None]
+
+    def _apply_ready(self) -> None:
+        self._handoff.raise_failure()
+        for ready in self._handoff.take_ready():
+            r = ready.commit.round
+            included = learner.counted(
+                self.state, self.algorithm, round=r, me=self.node, counted=ready.counted
+            )
+            self.state, effects = self._rules.on_commit(
+                self.state, self.algorithm, round=r, included=included
+            )
+            self._execute(effects, ready.tensors)
+
+    def _execute(self, effects: Sequence[learner.Effect], commit: Tensors | None) -> None:
+        for effect in effects:
+            if isinstance(effect, Merge):
+                assert commit is not None
+                self._merge(effect, commit)
+            elif isinstance(effect, Rebase):
+                self._handoff.drop_residual(effect.fragment)
+                self._on_event(
+                    Rebased(
+                        node=self.node,
+                        fragment=effect.fragment,
+                        missed=effect.missed,
+                        samples=effect.samples,
+                    )
+                )
+            else:
+                self._capture(effect)
+
+    def _merge(self, merge: Merge, commit: Tensors) -> None:
+        k = merge.fragment
+        since = self._captured[k] if merge.since == "snapshot" else self._base[k]
+        # With alpha the commit is mixed into the live parameters; ``since`` is not used.
+        self._backend.merge(
+            self._adapter,
+            commit,
+            since=None if merge.alpha is not None else since,
+            alpha=merge.alpha,
+        )
+        self._base[k] = commit
+        self._captured[k] = None
+        self.rounds_seen = max(self.rounds_seen, merge.round)
+        self._on_event(Merged(node=self.node, round=merge.round, fragment=k, since=merge.since))
+
+    def _capture(self, publish: Publish) -> None:
+        k = publish.fragment
+        captured = self._backend.capture(self._adapter, self._manifest.fragments[k])
+        self._captured[k] = captured
+        nonce = self.state.fragments[k].nonce
+        assert nonce is not None
+        self._handoff.put_job(
+            Job(publish=publish, nonce=nonce, base=self._base[k], captured=captured)
+        )
+        self._loop.put(Captured(round=publish.round, nonce=nonce))

@@ -1,0 +1,351 @@
+"""``audit``: check the design brief's invariants from the immutable records of any run.
+
+It reads only what every run leaves behind (the manifest, commit records, and whatever
+snapshots, claims and payloads garbage collection has not yet removed), so it works on a real
+bucket after the fact, on a simulated mailbox, or on an explored world. With a ``backend`` it
+also recomputes each commit whose inputs are still present and checks that the committed
+parameters derive from exactly the snapshots the record lists.
+
+Objects no node would use (garbage, oversized objects, records replayed under another key and,
+in a signed run, records that do not verify) are reported in ``AuditReport.rejected``, never
+counted as violations: the nodes ignore them too. A signed run is audited with its ``keyring``;
+in it a forged or unreadable commit record is such an object (it squats its round's key, which
+docs/security.md lists as a known limit), while in an unsigned run, where anyone can write a
+valid record, an unreadable commit record is a violation.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+from collections import defaultdict
+
+import attrs
+
+from gradientmail._clock import MonotonicClock
+from gradientmail._node.exchange import Exchange
+from gradientmail._node.joining import read_manifest
+from gradientmail._node.payloads import read_base, read_fragment
+from gradientmail.adapters.base import Backend
+from gradientmail.core import chain, closing, gc, keys
+from gradientmail.core.envelope import payload_digest, unseal
+from gradientmail.core.errors import FormatError
+from gradientmail.core.records import Commit, Manifest, Snapshot, read_record
+from gradientmail.core.robust import oversized, snapshot_bound
+from gradientmail.core.signing import Keyring
+from gradientmail.core.tensors import TensorBytes
+from gradientmail.mailboxes._protocol import Mailbox
+from gradientmail.ops._admin import RunReader, read_leases
+
+__all__ = ["AuditError", "AuditReport", "audit", "audit_async"]
+
+
+class AuditError(AssertionError):
+    """The run breaks at least one invariant; ``violations`` says which and where."""
+
+    def __init__(self, violations: list[str]) -> None:
+        self.violations = violations
+        super().__init__("audit found violations:\n  " + "\n  ".join(violations))
+
+
+@attrs.frozen(kw_only=True)
+class AuditReport:
+    """What ``audit`` checked in a run that holds every invariant."""
+
+    commits: int
+    """Commit records read (and verified, in a signed run)."""
+    rounds: tuple[int, ...]
+    """The committed rounds, ascending."""
+    snapshots: int
+    """Included snapshots still present and checked against their commit's listing."""
+    recomputed: int
+    """Commits whose params were recomputed from their snapshots (with a ``backend``)."""
+    samples: int
+    """Samples counted over all commits."""
+    foreign: tuple[str, ...] = ()
+    """Keys under ``rounds/`` that no node of ours writes (garbage is not a violation, but
+    worth a look)."""
+    rejected: tuple[tuple[str, str], ...] = ()
+    """``(key, reason)`` of every object no node would use, sorted by key: unreadable or
+    oversized snapshots, claims and leases, records that name another key's round or node,
+    and in a signed run records that do not verify with the keyring (forgeries, or records
+    signed under a secret it does not hold) including commit records."""
+
+
+def audit(
+    mailbox: Mailbox,
+    *,
+    backend: Backend | None = None,
+    tolerance: float = 0.0,
+    keyring: Keyring | None = None,
+    keep: int | None = 1,
+) -> AuditReport:
+    """Check every invariant; raise ``AuditError`` listing all violations, else report.
+
+    A signed run needs its ``keyring`` (``Keyring.of(secret)``; after a key rotation, one
+    holding every secret its records were signed with): without one, or with one for an
+    unsigned run, ``ProtocolError`` says so before anything is checked. ``tolerance`` is the
+    largest absolute difference allowed between recomputed and committed params (0: bit-exact).
+    ``keep`` is how many rounds of each fragment the run's collection keeps (its nodes'
+    ``keep_rounds`` and ``gradientmail gc --keep``, the smaller; None: nothing was collected):
+    the payloads the rule keeps (``core.gc.kept``) must still be there. The default, 1, holds
+    for every run: a fragment's newest commit keeps its payloads.
+    """
+    return asyncio.run(
+        audit_async(mailbox, backend=backend, tolerance=tolerance, keyring=keyring, keep=keep)
+    )
+
+
+async def audit_async(
+    mailbox: Mailbox,
+    *,
+    backend: Backend | None = None,
+    tolerance: float = 0.0,
+    keyring: Keyring | None = None,
+    keep: int | None = 1,
+) -> AuditReport:
+    """``audit`` as a coroutine, for callers already inside an event loop."""
+    reader = RunReader(mailbox, MonotonicClock(), "audit", keyring)
+    exchange = reader.exchange
+    if await mailbox.get(keys.MANIFEST) is None:
+        raise AuditError(["no manifest: the mailbox holds no run"])
+    manifest = await read_manifest(exchange, sources=reader.sources)
+    violations: list[str] = []
+    by_round, foreign = await _list_rounds(mailbox)
+    commits = await _read_commits(exchange, by_round, violations)
+    violations += chain.links(manifest.algorithm, list(commits.values()), commits.__contains__)
+    violations += _kept(manifest, commits, by_round, keep)
+    snapshots = recomputed = 0
+    counted: dict[tuple[str, str], int] = {}
+    for r, commit in commits.items():
+        for i in commit.included:
+            if (i.node, i.nonce) in counted:
+                violations.append(
+                    f"round {r}: snapshot {i.node}/{i.nonce} also counted in round "
+                    f"{counted[(i.node, i.nonce)]}"
+                )
+            counted[(i.node, i.nonce)] = r
+        found, problems = await _check_snapshots(exchange, r, commit, list(by_round[r]))
+        snapshots += found
+        violations += problems
+        if backend is not None:
+            try:
+                checked, problems = await _recompute(
+                    exchange, manifest, commits, r, backend, tolerance
+                )
+            except FormatError as exc:
+                checked, problems = 0, [f"round {r}: cannot recompute its params: {exc}"]
+            recomputed += checked
+            violations += problems
+    for r in sorted(by_round):
+        violations += await _check_claims(exchange, r, commits.get(r), by_round[r])
+        await _report_unused_snapshots(exchange, manifest, r, commits.get(r), by_round[r])
+    await read_leases(exchange)  # reports the leases no node would accept
+    if violations:
+        raise AuditError(violations)
+    return AuditReport(
+        commits=len(commits),
+        rounds=tuple(sorted(commits)),
+        snapshots=snapshots,
+        recomputed=recomputed,
+        samples=sum(c.samples for c in commits.values()),
+        foreign=tuple(foreign),
+        rejected=tuple(sorted(reader.rejections.found)),
+    )
+
+
+async def _list_rounds(mailbox: Mailbox) -> tuple[dict[int, dict[str, int]], list[str]]:
+    """Every object under ``rounds/``: ours by round (key and size), and the foreign keys."""
+    by_round: dict[int, dict[str, int]] = defaultdict(dict)
+    foreign: list[str] = []
+    for info in await mailbox.list(keys.ROUNDS):
+        try:
+            parsed = keys.parse(info.key)
+        except FormatError:
+            foreign.append(info.key)
+            continue
+        assert parsed.round is not None
+        by_round[parsed.round][info.key] = info.size
+    return by_round, foreign
+
+
+async def _read_commits(
+    exchange: Exchange, by_round: dict[int, dict[str, int]], violations: list[str]
+) -> dict[int, Commit]:
+    """Every readable commit record. One that cannot be read is a violation in an unsigned
+    run; in a signed run it is rejected, as the nodes reject it (a forgery squatting the key,
+    or a genuine record replayed there)."""
+    commits: dict[int, Commit] = {}
+    for r in sorted(by_round):
+        if keys.commit(r) not in by_round[r]:
+            continue
+        try:
+            commit = await exchange.commit(r)
+        except FormatError as exc:
+            if exchange.keyring is None:
+                violations.append(str(exc))
+            else:
+                exchange.reject(keys.commit(r), str(exc))
+            continue
+        if commit is not None:
+            commits[r] = commit
+    return commits
+
+
+def _kept(
+    manifest: Manifest,
+    commits: dict[int, Commit],
+    by_round: dict[int, dict[str, int]],
+    keep: int | None,
+) -> list[str]:
+    """The collection rule's side (Decision 7): every payload of a commit the rule still keeps
+    (``core.gc.kept``: within ``keep`` rounds of its fragment's newest commit) is there."""
+    K = manifest.algorithm.fragments
+    newest: dict[int, int] = {}
+    for r in commits:
+        newest[r % K] = max(newest.get(r % K, -1), r)
+    problems = []
+    for r, commit in sorted(commits.items()):
+        if keep is not None and not gc.kept(manifest.algorithm, newest[r % K], r, keep=keep):
+            continue
+        for ref in (commit.params, commit.state):
+            if ref.key not in by_round.get(r, {}):
+                problems.append(f"round {r}: {ref.key} was collected while the rule keeps it")
+    return problems
+
+
+async def _check_snapshots(
+    exchange: Exchange, r: int, commit: Commit, present: list[str]
+) -> tuple[int, list[str]]:
+    found, problems = 0, []
+    for i in commit.included:
+        key = keys.snapshot(r, i.node)
+        if key not in present:
+            continue  # collected
+        blob = await exchange.get(key)
+        if blob is None:
+            continue
+        try:
+            record = read_record(unseal(blob).record, Snapshot, key=key, verifier=exchange.keyring)
+        except FormatError as exc:
+            problems.append(f"round {r}: included snapshot unreadable: {exc}")
+            continue
+        found += 1
+        if (record.nonce, record.digest, record.samples, record.steps) != (
+            i.nonce,
+            i.digest,
+            i.samples,
+            i.steps,
+        ):
+            problems.append(f"round {r}: {key} differs from what the commit lists")
+    return found, problems
+
+
+async def _check_claims(
+    exchange: Exchange, r: int, commit: Commit | None, present: dict[str, int]
+) -> list[str]:
+    """Round ``r``'s valid claims (the exchange reports the others); a commit must be made by
+    the node whose valid claim holds its attempt."""
+    if not any(key.startswith(keys.claims(r)) for key in present):
+        return []
+    claims = await exchange.claims(r)
+    if commit is None:
+        return []
+    return [
+        f"round {r}: committed by {commit.closer} under {claim.node}'s claim"
+        for claim in claims
+        if claim.attempt == commit.attempt and claim.node != commit.closer
+    ]
+
+
+async def _report_unused_snapshots(
+    exchange: Exchange, manifest: Manifest, r: int, commit: Commit | None, present: dict[str, int]
+) -> None:
+    """Report each snapshot of round ``r`` outside its commit that a closer would refuse:
+    oversized (not downloaded), unreadable, not verifying, or naming another node or round."""
+    included = {i.node for i in commit.included} if commit is not None else set()
+    bound = snapshot_bound(manifest.fragment_schema(r % manifest.algorithm.fragments))
+    for key, size in sorted(present.items()):
+        parsed = keys.parse(key)
+        if parsed.kind != "snapshot" or parsed.node in included:
+            continue
+        reason = oversized(size, bound)
+        if reason is None:
+            reason = await _snapshot_problem(exchange, key, parsed.node, r)
+        if reason is not None:
+            exchange.reject(key, reason)
+
+
+async def _snapshot_problem(exchange: Exchange, key: str, node: str | None, r: int) -> str | None:
+    blob = await exchange.get(key)
+    if blob is None:
+        return None
+    try:
+        sealed = unseal(blob)
+        record = read_record(sealed.record, Snapshot, key=key, verifier=exchange.keyring)
+    except FormatError as exc:
+        return str(exc)
+    if (record.node, record.round) != (node, r):
+        return f"record names {record.node} round {record.round}"
+    if payload_digest(sealed.payload) != record.digest:
+        return "payload does not match the record's digest"
+    return None
+
+
+async def _recompute(
+    exchange: Exchange,
+    manifest: Manifest,
+    commits: dict[int, Commit],
+    r: int,
+    backend: Backend,
+    tolerance: float,
+) -> tuple[int, list[str]]:
+    """Recompute round ``r``'s params from its listed snapshots and the previous state."""
+    commit = commits[r]
+    k = commit.fragment
+    schema = manifest.fragment_schema(k)
+    deltas = []
+    for i in commit.included:
+        found = await exchange.snapshot(r, i.node, limit=1 << 34)
+        if found is None or found[0].nonce != i.nonce:
+            return 0, []  # inputs collected: nothing to recompute
+        deltas.append(backend.decode(found[1], schema))
+    before = commits[commit.base_round] if commit.base_round >= 0 else None
+    state = await read_base(exchange, backend, manifest, k, before)
+    if state is None:
+        return 0, []
+    master, momentum = state
+    norms = None
+    if manifest.algorithm.clip is not None:  # the closer's norm clip, recomputed from the deltas
+        norms = {i.node: backend.norm(d) for i, d in zip(commit.included, deltas, strict=True)}
+    weights = closing.outer_weights(manifest.algorithm, commit.included, norms)
+    gradient = backend.weighted_sum(list(zip(weights, deltas, strict=True)))
+    master, _ = backend.outer_step(
+        master,
+        momentum,
+        gradient,
+        lr=manifest.algorithm.outer_lr,
+        beta=manifest.algorithm.outer_momentum,
+        nesterov=manifest.algorithm.nesterov,
+    )
+    expected = backend.dump(backend.cast(master, schema))
+    actual = await read_fragment(exchange, commit.params, schema)
+    if actual is None:
+        return 0, []
+    problems = []
+    for name in schema.names:
+        if tolerance == 0.0:
+            if expected[name].data != actual[name].data:
+                problems.append(f"round {r}: params {name!r} do not derive from its snapshots")
+        elif _max_difference(backend, expected, actual, name) > tolerance:
+            problems.append(f"round {r}: params {name!r} differ beyond {tolerance}")
+    return 1, problems
+
+
+def _max_difference(
+    backend: Backend, expected: dict[str, TensorBytes], actual: dict[str, TensorBytes], name: str
+) -> float:
+    diff = backend.dump(
+        backend.delta(backend.load({name: expected[name]}), backend.load({name: actual[name]}))
+    )[name]
+    return max((abs(v) for v in array.array("f", diff.data)), default=0.0)

@@ -1,0 +1,460 @@
+"""One simulated run: N nodes, each a process of the same ``Node`` (learner and syncer) the
+library runs, over one in-memory store, on virtual time, with the faults a ``SimConfig`` asks.
+
+The run has two phases. In the *safety* phase faults are on: transient errors, lost responses,
+409s and stale listings from the store; latency; crashes at random times and just before or
+after writes (between a claim and its commit, between a commit's payloads and its record);
+stops of a whole process past ``lease_timeout``; restarts under the same id with a new process
+nonce; late joins and early leaves. At ``heal`` the faults stop, pauses end, and crashed nodes
+restart until a majority is alive; in the *liveness* phase every round a surviving node
+published to must commit within ``bound`` seconds, and every node must finish its close.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from gradientmail._events import Committed, Event, Joined, LeaseExpired, Merged, Rebased
+from gradientmail._node import Node
+from gradientmail.core import keys
+from gradientmail.mailboxes._memory import Faults, MemoryMailbox
+from gradientmail.mailboxes._protocol import ObjectInfo, TransientMailboxError
+from gradientmail.testing._virtual import Crashed, NodeClock, Scheduler, VirtualClock
+from sim.sim_backend import backend_for, model_for, train_step
+from sim.sim_checks import Checker, Incarnation, Violation
+from sim.sim_config import SimConfig
+from sim.sim_end import finish
+from sim.sim_mailbox import Latency, SimMailbox
+from specs.bugs import rules_for
+
+__all__ = ["Outcome", "World", "simulate"]
+
+_WEIGHTY = ("claim", "commit", "params", "state")
+
+
+@attrs.frozen(kw_only=True)
+class Outcome:
+    """What one run did and found. ``requests`` counts every request the nodes sent, by kind
+    (``get``, ``list``, ...; ``bytes_out``) and by kind and purpose (``"get lease"``,
+    ``"list snapshot"``, ...)."""
+
+    config: SimConfig
+    violations: tuple[Violation, ...]
+    digest: str
+    committed: int
+    node_rounds: int
+    requests: dict[str, int]
+    events: int
+    steps: int
+    virtual: float
+    wall: float
+    cpu: float
+    trace: tuple[tuple[float, str, str], ...]
+    notes: dict[str, int]
+
+
+@attrs.define(eq=False)
+class Slot:
+    """A learner id and its workload, across its incarnations."""
+
+    node: str
+    rng: random.Random
+    target: float
+    factor: float
+    batch: int
+    join_at: float
+    leave_after: int | None
+    steps_left: int
+    steps_done: int = 0
+    restart_pending: bool = False
+    incarnations: list[Incarnation] = attrs.Factory(list)
+
+    @property
+    def current(self) -> Incarnation | None:
+        return self.incarnations[-1] if self.incarnations else None
+
+
+def simulate(config: SimConfig, *, keep_trace: bool = True) -> Outcome:
+    """Run ``config`` once and return its outcome (violations included, never raised)."""
+    return World(config, keep_trace=keep_trace).run()
+
+
+class World:
+    def __init__(self, config: SimConfig, *, keep_trace: bool = True) -> None:
+        self.config = c = config
+        self.algorithm = c.algorithm()
+        self.clock = VirtualClock()
+        self.rules = rules_for(frozenset({c.plant}) if c.plant else None)
+        self.scheduler = Scheduler(self.clock, seed=c.seed)
+        self.rng = random.Random(f"world:{c.seed}")
+        self.store = MemoryMailbox(f"memory://sim-{c.seed}", clock=self.clock)
+        self.oracle = self.store.handle(clock=self.clock)
+        self.backend = backend_for(c.model)
+        self.takeover = c.takeover if c.takeover is not None else c.lease_timeout
+        self.checker = Checker(
+            algorithm=self.algorithm,
+            backend=self.backend,
+            oracle=self.oracle,
+            clock=self.clock,
+            lease_timeout=c.lease_timeout,
+            takeover=self.takeover,
+        )
+        self.keep_trace = keep_trace
+        self.trace: list[tuple[float, str, Any]] = []
+        self.events = 0
+        self.notes: dict[str, int] = {}
+        self.healed = False
+        self.heal_at = c.safety * c.planned
+        self.bound = self._bound()
+        self.world = self.scheduler.process("world")
+        self.slots = [self._slot(i) for i in range(c.nodes)]
+
+    # -- set-up -------------------------------------------------------------------------
+
+    def _slot(self, i: int) -> Slot:
+        c, rng = self.config, self.rng
+        late = i > 0 and rng.random() < c.late_joiners
+        leave = rng.random() < c.leavers
+        return Slot(
+            node=f"n{i:03d}",
+            rng=random.Random(f"node:{c.seed}:{i}"),
+            target=1.0 + 0.25 * (i % 5),
+            factor=math.exp(rng.gauss(0.0, c.speed_spread)) if c.speed_spread > 0 else 1.0,
+            batch=rng.choice((8, 16, 32)),
+            join_at=rng.uniform(0.0, 0.5 * self.heal_at) if late else 0.01 * i,
+            leave_after=rng.randrange(1, c.steps) if leave and c.steps > 1 else None,
+            steps_left=c.steps,
+        )
+
+    def _bound(self) -> float:
+        """Seconds within which a round must commit once faults are healed: enough to expire
+        every dead closer in turn, take over twice, wait out grace and the slowest slot."""
+        c = self.config
+        slot_time = c.slot_steps * c.step_time * math.exp(3 * c.speed_spread) * 1.25
+        lease = c.lease_timeout + c.lease_every + 2 * c.poll_interval
+        return 4 * lease + 3 * self.takeover + c.grace + 4 * slot_time + 100 * c.latency_mean + 10
+
+    def _start(self, slot: Slot) -> None:
+        c = self.config
+        number = len(slot.incarnations)
+        drift = self.rng.uniform(-c.clock_drift, c.clock_drift)
+        process = self.scheduler.process(f"{slot.node}#{number}")
+        clock = NodeClock(self.clock, offset=self.rng.uniform(0, 1e6), rate=1.0 + drift)
+        inc = Incarnation(node=slot.node, number=number, process=process, clock=clock)
+        faults = Faults(
+            seed=self.rng.getrandbits(32),
+            fail_before=c.fail_before,
+            fail_after=c.fail_after,
+            conflict=c.conflict,
+            stale_list=c.stale_list,
+            stale_window=max(c.poll_interval, 1.0),
+        )
+        inc.mailbox = SimMailbox(
+            owner=inc,
+            faulty=self.store.handle(faults=faults, clock=self.clock),
+            clean=self.store.handle(clock=self.clock),
+            oracle=self.oracle,
+            clock=self.clock,
+            latency=Latency(c.latency, c.latency_mean, random.Random(self.rng.getrandbits(32))),
+            observer=self,
+            naive=c.naive,
+        )
+        if self.healed:
+            inc.mailbox.heal()
+        inc.model = model_for(c.model, c.fragments)
+        slot.incarnations.append(inc)
+        self._note(inc.label, "start")
+        self.scheduler.spawn("life", self._life(slot, inc), process=process)
+
+    # -- the run ------------------------------------------------------------------------
+
+    def run(self) -> Outcome:
+        c = self.config
+        started, cpu = time.perf_counter(), time.process_time()
+        self._schedule()
+        limit = self._limit()
+        self.scheduler.run(until=limit, stop=lambda: bool(self.checker.violations))
+        if not self.checker.violations:
+            finish(self, limit)
+        self.scheduler.close()
+        wall, cpu = time.perf_counter() - started, time.process_time() - cpu
+        requests: dict[str, int] = {}
+        for slot in self.slots:
+            for inc in slot.incarnations:
+                counts = {**inc.mailbox.stats.snapshot(), **inc.mailbox.purposes}
+                for kind, n in counts.items():
+                    requests[kind] = requests.get(kind, 0) + n
+        return Outcome(
+            config=c,
+            violations=tuple(self.checker.violations),
+            digest=self.scheduler.digest,
+            committed=len(self.checker.commits),
+            node_rounds=self.checker.node_rounds,
+            requests=requests,
+            events=self.events,
+            steps=self.scheduler.steps,
+            virtual=self.clock.time,
+            wall=wall,
+            cpu=cpu,
+            trace=tuple((t, who, str(what)) for t, who, what in self.trace),
+            notes=dict(self.notes),
+        )
+
+    def _limit(self) -> float:
+        c = self.config
+        slowest = max(s.join_at + c.planned * s.factor * 1.25 for s in self.slots)
+        return 3 * slowest + c.nodes * c.downtime + 10 * self.bound + 60
+
+    def _schedule(self) -> None:
+        c, world = self.config, self.world
+        for slot in self.slots:
+            self.scheduler.spawn(
+                f"join-{slot.node}", self._at(slot.join_at, self._join, slot), process=world
+            )
+            for when in self._times(c.crash_rate):
+                self.scheduler.spawn("crash", self._at(when, self._crash_slot, slot), process=world)
+            for when in self._times(c.pause_rate):
+                self.scheduler.spawn("pause", self._at(when, self._pause_slot, slot), process=world)
+        self.scheduler.spawn("heal", self._at(self.heal_at, self._heal), process=world)
+
+    def _times(self, rate: float) -> list[float]:
+        """Event times in the safety phase for a Poisson process of ``rate`` per 1000 s."""
+        times: list[float] = []
+        if rate <= 0:
+            return times
+        t = self.rng.expovariate(rate / 1000)
+        while t < self.heal_at:
+            times.append(t)
+            t += self.rng.expovariate(rate / 1000)
+        return times
+
+    async def _at(self, when: float, action: Callable[..., None], *args: Any) -> None:
+        await self.clock.sleep(when - self.clock.time)
+        action(*args)
+
+    def _join(self, slot: Slot) -> None:
+        if not slot.incarnations:
+            self._start(slot)
+
+    # -- a node's life ------------------------------------------------------------------
+
+    async def _life(self, slot: Slot, inc: Incarnation) -> None:
+        try:
+            await self._train(slot, inc)
+        except (GeneratorExit, Crashed):
+            raise
+        except BaseException as exc:
+            self._failed(inc, "training", exc)
+
+    async def _train(self, slot: Slot, inc: Incarnation) -> None:
+        """The node's process: the library's own ``Node`` (join, its two loops, ``step`` and
+        ``close``, exactly as ``Session`` runs them), with the simulator's clock, mailbox,
+        nonces and (for a planted bug) rules."""
+        c = self.config
+        nonces = random.Random(f"nonces:{c.seed}:{inc.label}")
+        node = Node(
+            inc.model,
+            algorithm=self.algorithm,
+            mailbox=inc.mailbox,
+            clock=inc.clock,
+            learner_id=slot.node,
+            backend=self.backend,
+            poll_interval=c.poll_interval,
+            lease_every=c.lease_every,
+            lease_timeout=c.lease_timeout,
+            takeover=c.takeover,
+            on_event=lambda event: self._event(inc, event),
+            keep_rounds=c.keep_rounds,
+            gc_horizon=c.gc_horizon,
+            nonces=lambda: f"{nonces.getrandbits(64):016x}",
+            rules=self.rules,
+        )
+        inc.session = node
+        inc.join_floor = self.checker.newest_rounds()
+        await node.join()
+        for name, loop in node.loops():
+            self.scheduler.spawn(name, loop, process=inc.process)
+        inc.status = "training"
+        while slot.steps_left > 0 and (
+            slot.leave_after is None or slot.steps_done < slot.leave_after
+        ):
+            await inc.clock.sleep(c.step_time * slot.factor * slot.rng.uniform(0.8, 1.2))
+            train_step(inc.model, slot.target, slot.rng)
+            inc.trained += slot.batch
+            await node.step(slot.batch)
+            slot.steps_left -= 1
+            slot.steps_done += 1
+        inc.status = "closing"
+        self._note(inc.label, "closing")
+        await node.close()
+        slot.steps_left = 0
+        inc.status = "closed"
+        self._note(inc.label, "closed")
+
+    def _failed(self, inc: Incarnation, where: str, exc: BaseException) -> None:
+        """The node's process ends with ``exc``: expected when injected transient errors
+        outlasted the retries, a finding otherwise."""
+        inc.status = "failed"
+        self._note(inc.label, f"failed in {where}: {exc!r}")
+        self.scheduler.crash(inc.process)
+        if isinstance(exc, TransientMailboxError) and not self.healed:
+            self.notes["gave-up"] = self.notes.get("gave-up", 0) + 1
+            self._maybe_restart(self.slot_of(inc))
+            return
+        self.checker.fail(
+            "node-failed", f"{inc.label} failed in {where}: {exc!r}", nodes=(inc.node,)
+        )
+
+    # -- faults -------------------------------------------------------------------------
+
+    def _crash(self, inc: Incarnation, why: str) -> None:
+        if not inc.alive:
+            return
+        running = (
+            self.scheduler.current is not None and self.scheduler.current.process is inc.process
+        )
+        inc.status = "crashed"
+        self._note(inc.label, f"crash {why}")
+        self.scheduler.crash(inc.process)
+        self._maybe_restart(self.slot_of(inc))
+        if running:
+            raise Crashed(why)
+
+    def _maybe_restart(self, slot: Slot) -> None:
+        c = self.config
+        if slot.steps_left <= 0 or slot.restart_pending:
+            return
+        if self.rng.random() >= c.restart and not self.healed:
+            return
+        slot.restart_pending = True
+        delay = self.rng.expovariate(1 / c.downtime) if c.downtime > 0 else 0.0
+        self.scheduler.spawn(
+            "restart", self._at(self.clock.time + delay, self._restart, slot), process=self.world
+        )
+
+    def _restart(self, slot: Slot) -> None:
+        slot.restart_pending = False
+        current = slot.current
+        if slot.steps_left > 0 and (current is None or not current.alive):
+            self._start(slot)
+
+    def _crash_slot(self, slot: Slot) -> None:
+        inc = slot.current
+        if not self.healed and inc is not None and inc.alive:
+            self._crash(inc, "at a random time")
+
+    def _pause_slot(self, slot: Slot) -> None:
+        inc = slot.current
+        if not self.healed and inc is not None and inc.alive:
+            self._pause(inc, "at a random time")
+
+    def _pause(self, inc: Incarnation, why: str) -> None:
+        c = self.config
+        length = c.pause_length * c.lease_timeout * self.rng.uniform(0.5, 1.5)
+        self._note(inc.label, f"pause {length:.2f}s {why}")
+        self.scheduler.pause(inc.process, self.clock.time + length)
+
+    def _heal(self) -> None:
+        self.healed = True
+        self._note("world", "heal")
+        for slot in self.slots:
+            for inc in slot.incarnations:
+                inc.mailbox.heal()
+                inc.process.paused_until = min(inc.process.paused_until, self.clock.time)
+        alive = sum(1 for s in self.slots if s.current is not None and s.current.alive)
+        for slot in self.slots:
+            if alive >= (self.config.nodes + 1) // 2:
+                break
+            current = slot.current
+            dead = current is not None and not current.alive
+            if dead and slot.steps_left > 0 and not slot.restart_pending:
+                self._start(slot)
+                alive += 1
+
+    # -- the mailbox's observer (WriteObserver) -------------------------------------------
+
+    def before_write(self, mailbox: SimMailbox, kind: str, key: str, started: float) -> bool:
+        inc: Incarnation = mailbox.owner
+        if "/claims/" in key:
+            inc.claim_started.setdefault(key, started)
+        elif key.endswith(f"/snapshots/{inc.node}"):
+            inc.publishing.setdefault(keys.parse(key).round or 0, started)
+        if self.healed:
+            return False
+        c = self.config
+        weight = 10.0 if any(f"/{w}" in key for w in _WEIGHTY) else 1.0
+        if c.crash_on_write > 0 and self.rng.random() < c.crash_on_write * weight:
+            if self.rng.random() < 0.5:
+                self._crash(inc, f"before {kind} {key}")
+            inc.crash_after_write = True
+        if c.pause_on_write > 0 and self.rng.random() < c.pause_on_write * weight:
+            if self.rng.random() < 0.5:
+                self._pause(inc, f"before {kind} {key}")
+                return True
+            inc.pause_after_write = True  # a stall right after a write: after a won claim
+        return False
+
+    def after_write(
+        self,
+        mailbox: SimMailbox,
+        kind: str,
+        key: str,
+        data: bytes,
+        before: bytes | None,
+        landed: bool,
+    ) -> None:
+        inc: Incarnation = mailbox.owner
+        if landed:
+            if not key.startswith("leases/"):
+                self._record(inc, f"{kind} {key}")
+            self.checker.landed(inc, key, data, before)
+        elif "/claims/" in key:
+            inc.claim_started.pop(key, None)
+        if inc.crash_after_write:
+            inc.crash_after_write = False
+            self._crash(inc, f"after {kind} {key} ({'landed' if landed else 'not landed'})")
+        if inc.pause_after_write:
+            inc.pause_after_write = False
+            self._pause(inc, f"after {kind} {key}")  # holds at the request's return trip
+
+    def listed(self, mailbox: SimMailbox, prefix: str, infos: list[ObjectInfo]) -> None:
+        if prefix == keys.LEASES:
+            versions = {i.key[len(keys.LEASES) :]: i.version for i in infos}
+            self.checker.leases_listed(mailbox.owner, versions)
+
+    # -- events and the trace -------------------------------------------------------------
+
+    def _event(self, inc: Incarnation, event: Event) -> None:
+        self.events += 1
+        if isinstance(event, Committed):
+            event = attrs.evolve(event, seconds=0.0)  # wall time: not part of a replay
+        self._record(inc, event)
+        if isinstance(event, Merged):
+            self.checker.merged(inc, event.round, event.fragment)
+        elif isinstance(event, Rebased):
+            self.checker.rebased(inc, event.missed, event.samples)
+        elif isinstance(event, Joined):
+            inc.merged = dict(enumerate(event.rounds))
+            self.checker.joined(inc, event.rounds)
+        elif isinstance(event, LeaseExpired) and event.observer == inc.node:
+            self.checker.lease_expired(inc, event.node)
+
+    def _record(self, inc: Incarnation, what: Any) -> None:
+        text = repr(what)
+        self.scheduler.record(f"{self.clock.time!r} {inc.label} {text}\n".encode())
+        if self.keep_trace:
+            self.trace.append((self.clock.time, inc.label, what))
+
+    def _note(self, who: str, what: str) -> None:
+        self.scheduler.record(f"{self.clock.time!r} {who} {what}\n".encode())
+        if self.keep_trace:
+            self.trace.append((self.clock.time, who, what))
+
+    def slot_of(self, inc: Incarnation) -> Slot:
+        return self.slots[int(inc.node[1:])]
