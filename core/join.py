@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from gradientmail.core import keys
+from gradientmail.core import keys, learner, polling
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.chain import Walk, begin
 from gradientmail.core.effects import (
@@ -48,8 +48,11 @@ from gradientmail.core.effects import (
 from gradientmail.core.errors import ProtocolError, SchemaMismatch
 from gradientmail.core.fragments import partition
 from gradientmail.core.identity import IDENTITY_WAIT, conflict, derived
+from gradientmail.core.learner import LearnerState
+from gradientmail.core.polling import PollState
 from gradientmail.core.records import Commit, Lease, Manifest, PayloadRef
 from gradientmail.core.rules import RULES, Rules
+from gradientmail.core.syncer import SyncerState
 from gradientmail.core.tensors import Schema
 
 __all__ = [
@@ -61,6 +64,7 @@ __all__ = [
     "Settings",
     "check_schema",
     "check_signing",
+    "started",
     "step",
 ]
 
@@ -347,3 +351,19 @@ def _params(
     newest = (*state.newest, item.commit)
     state = attrs.evolve(state, newest=newest, fragment=state.fragment + 1, tries=0, walk=None)
     return _newest(state, settings)
+
+
+def started(
+    state: JoinState, *, process: str
+) -> tuple[LearnerState, PollState, SyncerState]:
+    """The first states of a joined node's training side, learner loop and syncer loop: each
+    fragment holds its newest commit, the learner polls the next one, the syncer knows the
+    commits read (and the peers they included)."""
+    assert state.done and state.manifest is not None
+    merged = tuple(c.round if c is not None else -1 for c in state.newest)
+    known = tuple(sorted((c.round, c) for c in state.newest if c is not None))
+    return (
+        learner.join(state.manifest.algorithm, merged, process=process),
+        polling.start(state.manifest, merged),
+        SyncerState(commits=known, peers=frozenset(i.node for _, c in known for i in c.included)),
+    )

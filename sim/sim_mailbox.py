@@ -86,6 +86,10 @@ class WriteObserver(Protocol):
         """Called as a LIST executes, with what it returns."""
         ...
 
+    def read(self, mailbox: SimMailbox, key: str) -> None:
+        """Called as a GET executes."""
+        ...
+
 
 class SimMailbox:
     """The mailbox as incarnation ``owner`` sees it (see the module docstring)."""
@@ -135,6 +139,7 @@ class SimMailbox:
                 return None
         await self._travel()
         self._count("get", key)
+        self._observer.read(self, key)
         data = await self._inner.get(key)
         await self._travel()
         return data

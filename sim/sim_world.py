@@ -276,7 +276,6 @@ class World:
             rules=self.rules,
         )
         inc.session = node
-        inc.join_floor = self.checker.newest_rounds()
         await node.join()
         for name, loop in node.loops():
             self.scheduler.spawn(name, loop, process=inc.process)
@@ -422,6 +421,14 @@ class World:
         if inc.pause_after_write:
             inc.pause_after_write = False
             self._pause(inc, f"after {kind} {key}")  # holds at the request's return trip
+
+    def read(self, mailbox: SimMailbox, key: str) -> None:
+        inc: Incarnation = mailbox.owner
+        if inc.status == "starting" and key.startswith("heads/"):
+            # A joining node's chain walk of a fragment begins: it must find at least the
+            # newest commit there is now.
+            k = int(key[len("heads/") :])
+            inc.join_floor[k] = self.checker.newest_rounds()[k]
 
     def listed(self, mailbox: SimMailbox, prefix: str, infos: list[ObjectInfo]) -> None:
         if prefix == keys.LEASES:

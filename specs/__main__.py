@@ -36,9 +36,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="inner steps per incarnation")
     p.add_argument("--drift", type=int, default=0, help="clock drift bound, seconds")
     p.add_argument("--no-leave", action="store_true", help="nodes never leave")
-    p.add_argument("--no-timers", action="store_true", help="untimed, finer-grained syncers")
+    p.add_argument(
+        "--grain",
+        choices=("write", "call"),
+        default="write",
+        help="a loop step: to a write, or a call",
+    )
     p.add_argument("--bug", action="append", default=[], choices=sorted(BUGS), help="plant")
-    p.add_argument("--symmetry", action="store_true", help="reduce by node permutation")
     p.add_argument("--no-liveness", action="store_true", help="skip the liveness check")
     p.add_argument(
         "--max-states", type=int, default=200_000, help="stop after this many (0: no bound)"
@@ -66,7 +70,7 @@ def config_of(args: argparse.Namespace) -> Config:
         steps=args.steps,
         drift=args.drift,
         leave=not args.no_leave,
-        timers=not args.no_timers,
+        grain=args.grain,
         bugs=frozenset(args.bug),
     )
 
@@ -76,8 +80,8 @@ def event_code(event: Event) -> str:
     args = [repr(event.kind)]
     if event.node >= 0:
         args.append(str(event.node))
-    if event.round >= 0:
-        args.append(f"round={event.round}")
+    if event.loop:
+        args.append(f"loop={event.loop!r}")
     if event.outcome != "ok":
         args.append(f"outcome={event.outcome!r}")
     if event.samples != 1:
@@ -102,7 +106,7 @@ def report(result: Result, *, walk: bool) -> str:
         elif result.complete:
             done = "complete"
         else:
-            done = "INCOMPLETE: stopped at --max-states (raise it, add --symmetry, or --walk)"
+            done = "INCOMPLETE: stopped at --max-states (raise it, or --walk)"
         lines.append(f"result:           no violation ({done})")
         return "\n".join(lines)
     lines.append(f"result:           VIOLATION ({v.kind}) {v.name}: {v.message}")
@@ -132,7 +136,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         result = explore(
             config,
-            symmetry=args.symmetry,
             liveness=liveness,
             max_states=args.max_states or None,
             progress=None if args.quiet else _progress,

@@ -112,11 +112,11 @@ BUGS: dict[str, Rules] = {
 
 BROKEN: dict[str, str] = {
     "commit-overwrite": "commit-once",
-    "rebase-included": "samples-once",
+    "rebase-included": "merges-forward",
     "no-readback": "included-exist",
     "no-takeover": "eventually-committed",
     "takeover-now": "single-claim",
-    "skip-forgets": "samples-once",
+    "skip-forgets": "merges-forward",
     "gc-too-early": "included-exist",
     "chain-skips": "join-newest",
 }

@@ -14,20 +14,12 @@ from typing import Any
 import attrs
 
 from gradientmail.core.algorithm import DiLoCo
+from specs import bugs as registry
 
 __all__ = ["BUGS", "Config"]
 
-# Planted bugs (design Decision 12): each swaps one rule for a broken variant; see specs/bugs.py.
-BUGS = frozenset(
-    {
-        "commit-not-create-only",
-        "rebase-included",
-        "no-readback",
-        "no-takeover",
-        "no-takeover-timeout",
-        "skip-forgets",
-    }
-)
+BUGS = frozenset(registry.BUGS)
+"""Planted bugs (design Decision 12): ``specs/bugs.py``, the registry every driver shares."""
 
 
 def _one_of(allowed: frozenset[str]) -> Callable[[Any, attrs.Attribute[frozenset[str]], Any], None]:
@@ -67,22 +59,22 @@ class Config:
     attempts
         State constraint: claim attempts ``0 .. attempts-1`` per round.
     crashes, faults, pauses
-        Budgets: node crashes, faulty writes (lost or ambiguous creates), and process pauses
-        (a paused node takes no step until it resumes, however long that is).
-    timers
-        True: every running node's syncer makes one pass (renew, observe, look at its rounds)
-        per tick, as the shell's loop does every poll interval, and time waits for it (a
-        late node is a paused one). False: renew, observe and each round's look are separate
-        events with no timing at all (the Hypothesis machine's finer grain).
-    lease_every, lease_timeout, takeover
-        Seconds between renewals a live node makes, seconds unchanged after which a lease is
-        expired, seconds before another node takes over a silent closer.
+        Budgets: node crashes, faulty creates (lost in transit, or landed with the answer lost),
+        and process pauses (a paused node takes no step until it resumes).
+    grain
+        "write": a loop's step runs its rule until a call whose effects write (or it waits), so
+        a node's reads between two writes see one mailbox (the explorer's default); "call":
+        one rule call and its effects (the Hypothesis machines' finer grain).
+    poll_interval, lease_every, lease_timeout, takeover, horizon
+        The node settings: seconds between polls, renewals, after which an unchanged lease is
+        expired, before another node takes over a silent closer, and before a collectable
+        round is deleted (``keep`` rounds stay).
     drift
         Bound on any node's clock running ahead of or behind virtual time (seconds).
     leave
         Whether nodes may leave (``Session.close``).
     bugs
-        Planted bugs to switch on (``BUGS``).
+        Planted bugs to switch on (``BUGS``; at most one).
     """
 
     nodes: int = attrs.field(default=2, validator=_at_least(1))
@@ -97,10 +89,13 @@ class Config:
     crashes: int = attrs.field(default=0, validator=_at_least(0))
     faults: int = attrs.field(default=0, validator=_at_least(0))
     pauses: int = attrs.field(default=0, validator=_at_least(0))
-    timers: bool = True
+    grain: str = attrs.field(default="write")
+    poll_interval: int = attrs.field(default=1, validator=_at_least(1))
     lease_every: int = attrs.field(default=1, validator=_at_least(1))
     lease_timeout: int = attrs.field(default=3, validator=_at_least(1))
     takeover: int = attrs.field(default=3, validator=_at_least(1))
+    keep: int = attrs.field(default=2, validator=_at_least(1))
+    horizon: int = attrs.field(default=0, validator=_at_least(0))
     drift: int = attrs.field(default=0, validator=_at_least(0))
     leave: bool = True
     bugs: frozenset[str] = attrs.field(default=frozenset(), validator=_one_of(BUGS))
@@ -109,10 +104,15 @@ class Config:
     def __attrs_post_init__(self) -> None:
         if self.nodes > 9:
             raise ValueError(f"nodes must be at most 9, got {self.nodes}")
-        if self.lease_timeout < 2 * self.lease_every + 1:
+        if self.grain not in ("write", "call"):
+            raise ValueError(f"grain must be 'write' or 'call', got {self.grain!r}")
+        if len(self.bugs) > 1:
+            raise ValueError(f"bugs: plant one at a time, got {sorted(self.bugs)}")
+        if self.lease_timeout < 2 * self.lease_every + self.poll_interval:
             raise ValueError(
-                f"lease_timeout ({self.lease_timeout}) must be >= 2 * lease_every + 1 "
-                f"({2 * self.lease_every + 1}), as the shell requires"
+                f"lease_timeout ({self.lease_timeout}) must be >= 2 * lease_every + "
+                f"poll_interval ({2 * self.lease_every + self.poll_interval}), as the shell "
+                "requires"
             )
         if self.takeover < self.lease_timeout:
             raise ValueError(f"takeover ({self.takeover}) must be >= lease_timeout")
@@ -138,6 +138,13 @@ class Config:
         """The first round nothing may publish into (leaving and rebasing included)."""
         return self.rounds + self.fragments
 
+    @property
+    def cap(self) -> int:
+        """Seconds beyond which no rule tells two ages (or two waits) apart: above every
+        threshold a rule compares a time with, and their sums (``specs.view``)."""
+        longest = self.takeover * 2 ** (self.attempts + 1) + (self.nodes - 1) * self.takeover
+        return longest + self.lease_timeout + self.grace + self.poll_interval + self.horizon + 2
+
     def describe(self) -> str:
         parts = [
             f"nodes={self.nodes}",
@@ -153,8 +160,10 @@ class Config:
             parts.append(f"overlap={self.overlap}")
         if self.pauses:
             parts.append(f"pauses={self.pauses}")
-        if not self.timers:
-            parts.append("no-timers")
+        if self.grain != "write":
+            parts.append(f"grain={self.grain}")
+        if self.horizon:
+            parts.append(f"horizon={self.horizon}")
         if self.drift:
             parts.append(f"drift={self.drift}")
         if not self.leave:

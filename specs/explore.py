@@ -2,11 +2,7 @@
 
 ``explore`` is breadth-first with a parent pointer per distinct state, so the first violation
 found has a shortest trace. States are deduplicated by ``specs.view.fingerprint`` (blake2b over
-a stable encoding of a view that drops history and normalizes times); with ``symmetry`` the
-fingerprint is the canonical one over node permutations. The queue holds real worlds, never
-canonical representatives, so every trace it prints is a real execution; but the core's closer
-rotation depends on node ids, so permuting nodes is not an exact symmetry and ``symmetry`` may
-skip states (an under-approximation: the CI configurations run without it).
+a stable encoding of a view that drops history and normalizes times).
 
 Per distinct state it checks the safety invariants (``specs.invariants``), deadlock (no
 progress step enabled now or after waiting out every timer, while a running node has a round
@@ -21,21 +17,20 @@ from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
-from specs import closing
 from specs.config import Config
 from specs.invariants import check
 from specs.liveness import settle, tick_bound
 from specs.state import Event, World
 from specs.view import fingerprint
-from specs.world import apply, initial, progress_possible, successors
+from specs.world import apply, initial, progress_possible, runnable, successors
 
 __all__ = ["Result", "Violation", "explore", "random_walk", "replay"]
 
 # Steps that make progress on their own (the rest only pass time or are the user's choice).
-PROGRESS = frozenset({"train", "merge", "upload", "poll", "commit", "stop", "resume"})
+PROGRESS = frozenset({"train", "merge", "step", "finish", "resume"})
 # A random walk favours progress and keeps faults and leaving rare, so it goes deep.
 WALK_WEIGHTS = {
-    **dict.fromkeys(PROGRESS | {"join", "sync", "claim"}, 4.0),
+    **dict.fromkeys(PROGRESS | {"join"}, 4.0),
     **dict.fromkeys(("crash", "pause", "leave", "fast", "slow"), 0.2),
     "resume": 0.5,
 }
@@ -78,7 +73,6 @@ def replay(config: Config, events: tuple[Event, ...] | list[Event]) -> list[Worl
 def explore(
     config: Config,
     *,
-    symmetry: bool = False,
     liveness: bool = True,
     max_states: int | None = None,
     progress: Callable[[int, int, int], None] | None = None,
@@ -86,7 +80,7 @@ def explore(
     """Breadth-first exploration of every interleaving within ``config``'s bounds."""
     started = time.perf_counter()
     world = initial(config)
-    root = fingerprint(world, symmetry=symmetry)
+    root = fingerprint(world)
     parents: dict[bytes, tuple[bytes, Event] | None] = {root: None}
     queue: deque[tuple[World, bytes, int]] = deque([(world, root, 0)])
     memo: dict[bytes, bool] = {}
@@ -103,7 +97,7 @@ def explore(
         violation = _deadlock(world, steps, fp, parents)
         for event, after in steps:
             generated += 1
-            child = fingerprint(after, symmetry=symmetry)
+            child = fingerprint(after)
             if child in parents:
                 continue
             parents[child] = (fp, event)
@@ -181,18 +175,17 @@ def _deadlock(
         i
         for i, node in enumerate(world.nodes)
         if node.running
-        and node.learner is not None
-        and any(f.outstanding is not None for f in node.learner.fragments)
+        and node.trainer is not None
+        and any(f.outstanding is not None for f in node.trainer.fragments)
     ]
     if not waiting:
         return None
     later = world
     for _ in range(tick_bound(world.config)):
-        for i, node in enumerate(later.nodes):
-            if node.active:
-                later = closing.sync(later, i)
         later = apply(later, Event("tick"))
-        if progress_possible(later, PROGRESS):
+        if progress_possible(later, PROGRESS) or any(
+            runnable(node, loop) for node in later.nodes for loop in ("learner", "syncer")
+        ):
             return None
     nodes = ", ".join(f"n{i}" for i in waiting)
     return Violation("deadlock", "deadlock", f"{nodes} wait forever", _trace(fp, parents))
@@ -229,7 +222,7 @@ def random_walk(
             if broken is not None:
                 violation = Violation("invariant", broken[0], broken[1], tuple(trace))
                 break
-            if not any(node.running or node.status == "absent" for node in world.nodes):
+            if not any(node.alive or node.status == "absent" for node in world.nodes):
                 break
         longest = max(longest, len(trace))
         if violation is None and liveness:

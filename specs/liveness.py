@@ -1,35 +1,34 @@
 """Liveness: "with a live quorum and faults healed, every published round eventually commits".
 
 Checked as a documented approximation of "from every reachable state, a state where every
-published round is committed is reachable": from the state, faults heal (no more crashes, lost
-or ambiguous writes) and every running node closes its session (Decision 11), then a fair
-schedule runs: each running node in turn takes its next step (leave, merge, upload, poll,
-commit, stop); when none can, every node makes its syncer pass (renew, observe, look at its
-rounds; paused nodes resume first) and the clock ticks. The state passes when every node has
-stopped (a closing node stops only once its learner is done: everything it published committed
-and merged), within a bound of ticks far above the protocol's longest timer chain. Crashed
-nodes stay down: the quorum is whoever is still running. The schedule is deterministic and
-follows the same timers a real node does, so a failure is a real stall, printed as a trace.
-An invariant that breaks on the way is reported as such (``Settled.broken``).
+published round is committed is reachable": from the state, faults heal (no more crashes,
+faulty creates or pauses; paused nodes resume), every running node closes its session
+(Decision 11), then a fair schedule runs: every node's loops take every step that is due,
+delivered commits are merged where ``step`` or ``close`` would merge them, and the clock ticks
+when nothing is due. The state passes when every node has stopped (a closing node stops only
+once its learner is done: everything it published committed and merged) within a bound of
+ticks far above the protocol's longest timer chain. Crashed nodes stay down: the quorum is
+whoever is still running. The schedule is deterministic and follows the same timers a real
+node does, so a failure is a real stall, printed as a trace. An invariant that breaks on the
+way is reported as such (``Settled.broken``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
+from collections.abc import MutableMapping
 from functools import lru_cache
 from typing import NamedTuple
 
 import attrs
 
-from gradientmail.core import learner as rules
-from specs import closing, learning
+from gradientmail.core import learner
 from specs.config import Config
 from specs.invariants import check
-from specs.state import Event, World
+from specs.state import LOOPS, Event, World
 from specs.view import fingerprint
-from specs.world import apply
+from specs.world import OutOfBounds, apply, blocked, runnable
 
-__all__ = ["Settled", "settle"]
+__all__ = ["Settled", "settle", "tick_bound"]
 
 
 class Settled(NamedTuple):
@@ -45,19 +44,21 @@ class Settled(NamedTuple):
 
 @lru_cache(maxsize=64)
 def _unbounded(config: Config) -> Config:
-    # The healed run may need more claim attempts than the explored bound allows.
-    return attrs.evolve(config, attempts=config.attempts + 6)
+    # The healed run may need more claim attempts and steps than the explored bounds allow.
+    return attrs.evolve(config, attempts=config.attempts + 6, steps=config.step_bound + 100)
 
 
 def tick_bound(config: Config) -> int:
     """Ticks a healed schedule may take: far above the longest chain of timers (a lease
     expiring, then every attempt's takeover timeout, then grace)."""
     longest = config.lease_timeout + config.takeover * (1 << (config.attempts + 1)) + config.grace
-    return 20 * longest
+    return 20 * longest + config.horizon
 
 
 def settle(world: World, *, memo: MutableMapping[bytes, bool] | None = None) -> Settled:
-    """Run the healed, fair schedule from ``world`` until every node has stopped."""
+    """Run the healed, fair schedule from ``world`` until every node has stopped. With
+    ``memo`` (fingerprint to outcome), a schedule that reaches a state an earlier one went
+    through stops there with that schedule's outcome."""
     original = world.config
     world = world._replace(config=_unbounded(original))
     events: list[Event] = []
@@ -65,22 +66,17 @@ def settle(world: World, *, memo: MutableMapping[bytes, bool] | None = None) -> 
     ok: bool | None = None
     broken: tuple[str, str] | None = None
     for _ in range(tick_bound(original)):
-        world, steps, broken = _progress(world)
+        world, steps, broken, known = _progress(world, memo, visited)
         events += steps
         if broken is not None:
             ok = False
             break
-        if not any(node.running for node in world.nodes):
+        if known is not None:
+            ok = known
+            break
+        if not any(node.alive for node in world.nodes):
             ok = True
             break
-        if memo is not None:
-            fp = fingerprint(world)
-            if fp in memo:
-                ok = memo[fp]
-                break
-            visited.append(fp)
-        world, synced = _sync(world)
-        events += synced
         world = apply(world, Event("tick"))
         events.append(Event("tick"))
     if ok is None:
@@ -94,65 +90,65 @@ def settle(world: World, *, memo: MutableMapping[bytes, bool] | None = None) -> 
     return Settled(ok, world, tuple(events), "" if ok else _stuck(world))
 
 
-def _sync(world: World) -> tuple[World, list[Event]]:
-    """Every running node's syncer pass of this tick (resuming paused nodes: faults heal)."""
-    events = []
-    for i, node in enumerate(world.nodes):
-        if node.paused:
-            world = apply(world, Event("resume", i))
-            events.append(Event("resume", i))
-        if node.running and not node.synced and node.work is None:
-            world = apply(world, Event("sync", i))
-            events.append(Event("sync", i))
-    return world, events
-
-
-def _progress(world: World) -> tuple[World, list[Event], tuple[str, str] | None]:
-    """Every node takes steps, in turn, until none can (or an invariant breaks)."""
+def _progress(
+    world: World, memo: MutableMapping[bytes, bool] | None, visited: list[bytes]
+) -> tuple[World, list[Event], tuple[str, str] | None, bool | None]:
+    """Every step due now, node by node, until none is (bounded): the healed schedule's
+    part of one tick. Returns the world, the steps, an invariant broken on the way, and the
+    outcome of an earlier schedule this one joined (``memo``)."""
     events: list[Event] = []
-    moved = True
-    while moved:
+    for _ in range(500):
         moved = False
         for i in range(len(world.nodes)):
-            for event in _steps(world, i):
+            for event in _due(world, i):
                 try:
                     after = apply(world, event)
-                except closing.OutOfBounds:
+                except OutOfBounds:
                     continue
-                if after != world:
-                    world, moved = after, True
-                    events.append(event)
-                    broken = check(world)
-                    if broken is not None:
-                        return world, events, broken
-                    break
-    return world, events, None
+                if after == world:
+                    continue
+                world, moved = after, True
+                events.append(event)
+                broken = check(world)
+                if broken is not None:
+                    return world, events, broken, None
+                if memo is not None:
+                    fp = fingerprint(world)
+                    if fp in memo:
+                        return world, events, None, memo[fp]
+                    visited.append(fp)
+        if not moved:
+            return world, events, None, None
+    return world, events, None, None
 
 
-def _steps(world: World, i: int) -> Iterator[Event]:
+def _due(world: World, i: int) -> list[Event]:
     node = world.node(i)
-    if not node.active:
-        return
-    assert node.learner is not None
-    if not node.leaving:
-        yield Event("leave", i)
-    if node.ready:
-        yield Event("merge", i)
-    if node.jobs:
-        yield Event("upload", i)
-    if learning.pollable(world, i):
-        yield Event("poll", i)
-    if node.work is not None:
-        yield Event("commit", i)
-        return
-    if not node.jobs and rules.done(node.learner):
-        yield Event("stop", i)
+    config = world.config
+    if node.paused:
+        return [Event("resume", i)]
+    if not node.alive:
+        return []
+    due = [Event("step", i, loop=loop) for loop in LOOPS if runnable(node, loop)]
+    if node.running:
+        assert node.trainer is not None
+        if node.ready and (blocked(node, config) or node.leaving):
+            due.append(Event("merge", i))
+        if not node.leaving:
+            due.append(Event("leave", i))
+        elif not node.finished and not node.ready and learner.done(node.trainer):
+            due.append(Event("finish", i))
+    return due
 
 
 def _stuck(world: World) -> str:
     waiting = []
     for i, node in enumerate(world.nodes):
-        if node.running and node.learner is not None:
-            rounds = [f.outstanding for f in node.learner.fragments if f.outstanding is not None]
-            waiting.append(f"n{i} waits for rounds {rounds}")
+        if not node.alive:
+            continue
+        if node.trainer is None:
+            waiting.append(f"n{i} never finished joining")
+            continue
+        open_rounds = [f.outstanding for f in node.trainer.fragments if f.outstanding is not None]
+        waiting.append(f"n{i} waits for rounds {open_rounds}" if open_rounds else f"n{i} waits")
     return "; ".join(waiting) or "no progress"

@@ -1,116 +1,67 @@
-"""The mailbox of a world: immutable abstract objects under the real key layout.
+"""The mailbox of a world: immutable objects under the real key layout.
 
-Objects carry what the protocol reads from a record, without payload bytes: a snapshot carries
-the half-open interval of sample indices it covers (``lo``, ``hi``) in its writer's incarnation
-(``epoch``), so "each published sample is counted in at most one commit" can be checked. An
-incarnation's nonce is its ``epoch``: a node's objects of one process share it, and a restarted
-process has a new one (Decision 9).
+Records are the core's own (``Manifest``, ``Lease``, ``Claim``, ``Commit``), so the rules read
+exactly what a real reader parses. Snapshots are ``SnapObj``: the record a reader gets
+(``record``) plus what only the world knows, the half-open interval of sample indices the
+snapshot covers in its writer's incarnation (``lo``, ``hi``), so "each published sample is
+counted in at most one commit" can be checked. Payloads (``params``, ``state``, initial
+parameters) are ``Payload`` markers: the rules only ever ask whether one is there.
 
-Snapshots, claims, commits, payloads and the manifest are create-only; leases are put by their
-owner. Keys come from ``gradientmail.core.keys``, so a model object lies where the real one does.
+Snapshots, claims, commits, payloads and the manifest are create-only; leases and the heads
+hint are put by their owner. Keys come from ``gradientmail.core.keys``.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator
+from functools import lru_cache
 from typing import NamedTuple, Union
 
 from gradientmail.core import keys
+from gradientmail.core.records import Claim, Commit, Lease, Manifest, Snapshot, to_bytes
 
 __all__ = [
-    "ClaimObj",
-    "CommitObj",
-    "Inc",
-    "LeaseObj",
+    "DIGEST",
     "Mailbox",
-    "ManifestObj",
     "Obj",
-    "ParamsObj",
+    "Payload",
     "SnapObj",
+    "lease_size",
     "nonce",
 ]
 
-
-def nonce(node: int, epoch: int, attempt: int = 0) -> str:
-    """The 16-hex-digit nonce of incarnation ``epoch`` of node ``node`` (``attempt`` tells a
-    closer's payloads of different attempts apart)."""
-    return f"{node:04x}{epoch:06x}{attempt:06x}"
+DIGEST = "0" * 64
+"""The payload digest every model snapshot and payload carries (no bytes are modelled)."""
 
 
-class ManifestObj(NamedTuple):
-    creator: str
-    epoch: int
-
-
-class LeaseObj(NamedTuple):
-    node: str
-    epoch: int
-    counter: int
-    left: bool
-
-    @property
-    def version(self) -> str:
-        """The etag: every put of a lease changes it."""
-        return f"{self.epoch}.{self.counter}"
+def nonce(node: int, epoch: int) -> str:
+    """The process nonce of incarnation ``epoch`` of node ``node`` (16 hex digits)."""
+    return f"{node:04x}{epoch:012x}"
 
 
 class SnapObj(NamedTuple):
-    node: str
+    """A snapshot: the record a reader gets, and the samples ``lo .. hi - 1`` it covers."""
+
+    record: Snapshot
     epoch: int
-    round: int
-    base: int
     lo: int
     hi: int
-    steps: int
-
-    @property
-    def samples(self) -> int:
-        return self.hi - self.lo
 
 
-class ClaimObj(NamedTuple):
-    node: str
-    epoch: int
-    round: int
-    attempt: int
+class Payload(NamedTuple):
+    """A payload object (params, state or initial parameters): only its presence matters."""
+
+    key: str
 
 
-class Inc(NamedTuple):
-    """A snapshot a commit includes: who, which incarnation, its base and samples."""
-
-    node: str
-    epoch: int
-    base: int
-    lo: int
-    hi: int
-    steps: int
+Obj = Union[Manifest, Lease, SnapObj, Claim, Commit, Payload, int]  # noqa: UP007
 
 
-class CommitObj(NamedTuple):
-    round: int
-    base: int
-    closer: str
-    epoch: int
-    attempt: int
-    included: tuple[Inc, ...]
-
-    @property
-    def params_key(self) -> str:
-        return keys.params(self.round, nonce(int(self.closer[1:]), self.epoch, self.attempt))
-
-    def includes(self, node: str, epoch: int) -> bool:
-        return any(i.node == node and i.epoch == epoch for i in self.included)
-
-
-class ParamsObj(NamedTuple):
-    round: int
-    closer: str
-    epoch: int
-    attempt: int
-
-
-Obj = Union[ManifestObj, LeaseObj, SnapObj, ClaimObj, CommitObj, ParamsObj]  # noqa: UP007
+@lru_cache(maxsize=4096)
+def lease_size(lease: Lease) -> int:
+    """The size a store lists for ``lease``: its record's bytes (``left`` makes it longer)."""
+    return len(to_bytes(lease))
 
 
 class Mailbox:
@@ -180,7 +131,7 @@ class Mailbox:
             )
         return self
 
-    def commits(self) -> Iterator[CommitObj]:
+    def commits(self) -> Iterator[Commit]:
         for _, obj in self.list(keys.ROUNDS):
-            if isinstance(obj, CommitObj):
+            if isinstance(obj, Commit):
                 yield obj

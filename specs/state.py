@@ -1,120 +1,120 @@
-"""The values a world is made of: nodes' rule states, their volatile work, the mailbox, the clock.
+"""The values a world is made of: each node's core states, what its loops have to take in, its
+training side, the mailbox, the clock, and the ghost state the invariants read.
 
-Everything is immutable and ordered (named tuples, sorted tuples, attrs frozen core states), so
-a world is a value: cheap to copy, comparable, and encodable byte for byte (``specs.view``).
+Everything is immutable and ordered (named tuples, sorted tuples, the core's attrs frozen
+states), so a world is a value: cheap to copy, comparable, and encodable byte for byte
+(``specs.view``).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+from gradientmail.core.effects import Result
 from gradientmail.core.learner import LearnerState
-from gradientmail.core.leases import Leases
-from gradientmail.core.syncer import RoundWatch
+from gradientmail.core.records import Commit
 from specs.config import Config
-from specs.mailbox import CommitObj, Inc, Mailbox
+from specs.mailbox import Mailbox
 
-__all__ = ["Event", "Job", "NodeState", "Work", "World"]
+__all__ = ["ABSENT", "DOWN", "GONE", "JOINING", "RUNNING", "Event", "Job", "Loop", "NodeState",
+           "Ready", "World"]  # fmt: skip
 
-ABSENT, RUNNING, DOWN, GONE = "absent", "running", "down", "gone"
+ABSENT, JOINING, RUNNING, DOWN, GONE = "absent", "joining", "running", "down", "gone"
+LOOPS = ("join", "learner", "syncer")
+
+
+class Loop(NamedTuple):
+    """One loop of a node, as ``gradientmail._node.drive`` runs it: its core ``state``, the
+    view it takes in at its next call (``inbox``: results of its effects and messages of the
+    node's other loops), the time (node's clock) its last step waits until (``wake``; inf:
+    until something arrives), and whether it is done."""
+
+    state: Any
+    inbox: tuple[Result, ...] = ()
+    wake: float = float("-inf")
+    done: bool = False
 
 
 class Job(NamedTuple):
-    """A captured snapshot waiting for upload (the learner's job queue). ``retried``: an earlier
-    create of it failed with a transient error, so a taken key must be read back."""
+    """A capture waiting for its upload: the round, its nonce, its base round, the samples
+    ``lo .. hi - 1`` it covers and its inner steps."""
 
     round: int
+    nonce: str
     base: int
     lo: int
     hi: int
     steps: int
-    retried: bool = False
 
 
-class Work(NamedTuple):
-    """A closer's won claim with the snapshots it read, not yet committed (volatile)."""
+class Ready(NamedTuple):
+    """A commit the learner loop delivered, with what it (and any skipped commit) counted."""
 
-    round: int
-    attempt: int
-    included: tuple[Inc, ...]
-    retried: bool = False
+    commit: Commit
+    counted: frozenset[tuple[str, str]]
 
 
 class NodeState(NamedTuple):
-    """One node id: its process status and, while running, that process's state.
+    """One node id: its process status and, while joining or running, that process's state.
 
-    ``epoch`` counts the processes started under this id (its nonce). The learner side:
-    ``learner`` (core rules), ``produced`` samples so far, ``jobs`` to upload, ``captured``
-    rounds it holds a snapshot nonce for, ``ready`` commits read but not merged, ``next_poll``
-    per fragment. Shared ledger: ``watched`` rounds, ``known`` commits as (round, included
-    nodes). The syncer side: ``leases`` view, lease ``counter``, ``leaving``, per-round
-    ``watches`` and cached ``views`` (reporters), and ``work`` of a won claim. ``synced``: its
-    syncer made its pass of this tick; ``paused``: the whole process is frozen.
-    """
+    ``epoch`` counts the processes started under this id (its process nonce, ``specs.mailbox.
+    nonce``); ``clock`` is its own clock (integer seconds). The loops ``join``, ``learner``
+    and ``syncer``; the training side: ``trainer`` (the core learner state), ``produced``
+    samples so far, ``jobs`` captured for upload, ``ready`` commits delivered and not merged;
+    ``leaving`` once it began to close, ``finished`` once it told its loops to stop. Ghost
+    state: ``floor``, each fragment's newest commit when its join began (``join-newest``);
+    ``writes``, payload writes so far (nonces)."""
 
     status: str = ABSENT
     epoch: int = 0
     clock: int = 0
-    learner: LearnerState | None = None
+    paused: bool = False
+    join: Loop | None = None
+    learner: Loop | None = None
+    syncer: Loop | None = None
+    trainer: LearnerState | None = None
     produced: int = 0
     jobs: tuple[Job, ...] = ()
-    captured: tuple[int, ...] = ()
-    ready: tuple[CommitObj, ...] = ()
-    next_poll: tuple[int, ...] = ()
-    watched: tuple[int, ...] = ()
-    known: tuple[tuple[int, tuple[str, ...]], ...] = ()
-    leases: Leases = Leases()
-    counter: int = 0
+    ready: tuple[Ready, ...] = ()
     leaving: bool = False
-    watches: tuple[RoundWatch, ...] = ()
-    views: tuple[tuple[int, tuple[str, ...]], ...] = ()
-    work: Work | None = None
-    synced: bool = False
-    paused: bool = False
+    finished: bool = False
+    floor: tuple[int, ...] = ()
+    writes: int = 0
 
     @property
     def running(self) -> bool:
         return self.status == RUNNING
 
     @property
+    def alive(self) -> bool:
+        """Joining or running: it has loops."""
+        return self.status in (JOINING, RUNNING)
+
+    @property
     def active(self) -> bool:
-        """Running and not paused: it can take steps."""
-        return self.status == RUNNING and not self.paused
+        """Alive and not paused: it can take steps."""
+        return self.alive and not self.paused
 
-    def known_commit(self, r: int) -> tuple[str, ...] | None:
-        for round_, nodes in self.known:
-            if round_ == r:
-                return nodes
-        return None
-
-    def watch(self, r: int) -> RoundWatch | None:
-        for w in self.watches:
-            if w.round == r:
-                return w
-        return None
-
-    def view_of(self, r: int) -> tuple[str, ...] | None:
-        for round_, reporters in self.views:
-            if round_ == r:
-                return reporters
-        return None
+    def loop(self, name: str) -> Loop | None:
+        found: Loop | None = getattr(self, name)
+        return found
 
 
 class Event(NamedTuple):
-    """One atomic step of the world. ``outcome`` of a write: "ok", "lost" (did not land, the
-    writer was told it failed) or "ambiguous" (landed, the writer was told it failed)."""
+    """One atomic step of the world. ``loop``: which of a node's loops a ``step`` runs;
+    ``outcome`` of the first create in a step: "ok", "lost" (did not land: the retry goes on)
+    or "ambiguous" (landed, and the answer was lost); "ambiguous@commit" and the like fault
+    only the first create of that kind of record."""
 
     kind: str
     node: int = -1
-    round: int = -1
+    loop: str = ""
     outcome: str = "ok"
     samples: int = 1
 
     def __str__(self) -> str:
         who = f"n{self.node} " if self.node >= 0 else ""
-        what = self.kind
-        if self.round >= 0:
-            what += f" round {self.round}"
+        what = self.kind if not self.loop else f"{self.loop}"
         if self.kind == "train" and self.samples != 1:
             what += f" ({self.samples} samples)"
         if self.outcome != "ok":
@@ -123,12 +123,10 @@ class Event(NamedTuple):
 
 
 class World(NamedTuple):
-    """The whole system: configuration, virtual time, nodes, mailbox and fault budgets.
-
-    ``commit_writes`` counts, per round, the writes that made a commit record (history kept
-    only to check that a round commits once); ``flags`` are transition invariants that failed
-    (a rebase of an included snapshot, a merge of an older commit).
-    """
+    """The whole system: configuration, virtual time, nodes, mailbox, fault budgets and ghost
+    state. ``commit_writes`` counts, per round, the writes that made a commit record;
+    ``spans`` maps each snapshot nonce to its writer, incarnation and samples; ``flags`` are
+    the transition invariants that failed, as ``(name, message)``."""
 
     config: Config
     time: int
@@ -138,7 +136,8 @@ class World(NamedTuple):
     faults: int = 0
     pauses: int = 0
     commit_writes: tuple[tuple[int, int], ...] = ()
-    flags: tuple[str, ...] = ()
+    spans: tuple[tuple[str, tuple[str, int, int, int]], ...] = ()
+    flags: tuple[tuple[str, str], ...] = ()
 
     def node(self, i: int) -> NodeState:
         return self.nodes[i]
@@ -147,10 +146,11 @@ class World(NamedTuple):
         nodes = (*self.nodes[:i], node, *self.nodes[i + 1 :])
         return self._replace(nodes=nodes)
 
-    def flag(self, message: str) -> World:
-        if message in self.flags:
+    def flag(self, name: str, message: str) -> World:
+        """Record that the transition invariant ``name`` failed, saying how."""
+        if (name, message) in self.flags:
             return self
-        return self._replace(flags=(*self.flags, message))
+        return self._replace(flags=(*self.flags, (name, message)))
 
     def wrote_commit(self, r: int) -> World:
         counts = dict(self.commit_writes)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from gradientmail.core.records import Commit, Lease
 from specs.config import Config
-from specs.mailbox import CommitObj, LeaseObj, SnapObj
+from specs.mailbox import SnapObj
 from specs.state import Event, World
 from specs.world import apply, initial
 
@@ -24,7 +25,7 @@ def describe(before: World, event: Event, after: World) -> str:
     old, new = dict(before.mailbox.items()), dict(after.mailbox.items())
     for key in sorted(set(old) | set(new)):
         was, now = old.get(key), new.get(key)
-        if isinstance(was, LeaseObj) and isinstance(now, LeaseObj) and was.left == now.left:
+        if isinstance(was, Lease) and isinstance(now, Lease) and was.left == now.left:
             continue  # a renewal: not worth a line
         if key not in old:
             notes.append("+" + short(key) + _detail(new[key]))
@@ -34,15 +35,20 @@ def describe(before: World, event: Event, after: World) -> str:
             notes.append("~" + short(key) + _detail(new[key]))
     if event.node >= 0:
         notes += _node_notes(before, after, event.node)
-    notes += [f"FLAG {flag}" for flag in after.flags if flag not in before.flags]
+    notes += [
+        f"FLAG {message}"
+        for flag in after.flags
+        if flag not in before.flags
+        for message in flag[1:]
+    ]
     return "; ".join(notes)
 
 
 def _detail(obj: object) -> str:
     if isinstance(obj, SnapObj):
-        return f" (samples {obj.lo}..{obj.hi - 1}, base {obj.base})"
-    if isinstance(obj, CommitObj):
-        inc = ", ".join(f"{i.node}[{i.lo}..{i.hi - 1}]" for i in obj.included)
+        return f" (samples {obj.lo}..{obj.hi - 1}, base {obj.record.base_round})"
+    if isinstance(obj, Commit):
+        inc = ", ".join(i.node for i in obj.included)
         return f" (by {obj.closer}#{obj.attempt}: {inc})"
     return ""
 
@@ -52,21 +58,18 @@ def _node_notes(before: World, after: World, i: int) -> list[str]:
     notes = []
     if a.status != b.status:
         notes.append(f"n{i} {a.status}")
-    if a.learner is not None and b.learner is not None:
-        for fb, fa in zip(b.learner.fragments, a.learner.fragments, strict=True):
+    if a.trainer is not None and b.trainer is not None:
+        for fb, fa in zip(b.trainer.fragments, a.trainer.fragments, strict=True):
             if fa.merged != fb.merged:
                 notes.append(f"n{i} merged round {fa.merged}")
-    new_jobs = [j for j in a.jobs if j not in b.jobs and not j.retried]
-    for job in new_jobs:
+    for job in [j for j in a.jobs if j not in b.jobs]:
         notes.append(f"n{i} captures round {job.round} (samples {job.lo}..{job.hi - 1})")
-    if a.work is not None and a.work != b.work and not a.work.retried:
-        notes.append(f"n{i} claimed round {a.work.round} attempt {a.work.attempt}")
     return notes
 
 
 def format_trace(config: Config, events: Sequence[Event], tail: Sequence[Event] = ()) -> str:
     """The trace, one numbered step a line; ``tail`` (a healed schedule) follows, with its
-    silent syncer passes dropped and runs of ticks folded into one line."""
+    silent loop steps dropped and runs of ticks folded into one line."""
     lines: list[str] = []
     world = initial(config)
     ticks: list[int] = []
@@ -86,7 +89,7 @@ def format_trace(config: Config, events: Sequence[Event], tail: Sequence[Event] 
         what = describe(world, event, after)
         if event.kind == "tick":
             ticks.append(n)
-        elif not (n > len(events) and event.kind == "sync" and not what):
+        elif not (n > len(events) and event.kind == "step" and not what):
             flush()
             lines.append(f"  {n:>8}. {event!s:<22} {what}".rstrip())
         world = after

@@ -1,301 +1,216 @@
-"""The view of a world the explorer deduplicates on, its fingerprint and its symmetry.
+"""The view of a world the explorer deduplicates on, and its fingerprint.
 
 The view drops history and normalizes time so the explored space is finite:
 
-- virtual time itself is dropped (only clock skew is kept, when drift is on);
-- every timestamp becomes an age on its owner's clock, capped just above the largest threshold
-  the rules compare it with (``lease_timeout`` for a lease, ``grace`` for quorum,
-  ``takeover * 2**a + (nodes - 1) * takeover`` for attempt ``a``'s claim, ...). Ages at or over
-  the cap compare alike forever, so two worlds with the same view have the same futures: the
-  abstraction is exact. A lease keeps two ages, both capped at ``lease_timeout``: at the
-  observer's last poll (what expiry is judged at now) and at its clock (what the next poll
-  judges);
-- a lease's counter is dropped; an observer keeps only whether its last seen version is still
-  the current one (the rules only ask whether the version changed);
-- a node id becomes its index under a renaming, so node permutations can be canonicalized.
+- virtual time itself is dropped (only each node's clock skew is kept, when drift is on);
+- every time a node keeps (a lease's last change, a round's timers, a loop's deadline, a
+  renewal or poll that is due) becomes its distance from the node's own clock, capped at
+  ``Config.cap`` either way: above every threshold a rule compares a time with, and their sums,
+  so two worlds whose times differ only beyond the cap have the same futures;
+- a lease's counter is dropped: the mailbox keeps each lease's nonce and ``left`` flag, and
+  an observer only whether the version it last saw (or listed, or rejected) is still the
+  current one (the rules only ask whether a version changed);
+- records keep what the rules read of them; a manifest is its creator and nonce.
 
-The fingerprint is blake2b over ``repr`` of the view, a nested tuple of ints, strings, bools
-and None only, whose ``repr`` is stable across processes (never Python's salted ``hash``).
+The fingerprint is blake2b over ``repr`` of the view, a nested tuple of ints, floats, strings,
+bools and None only, whose ``repr`` is stable across processes (never Python's salted
+``hash``). Encodings of unchanged parts (a node, the mailbox) are reused by identity.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
-from functools import partial
-from itertools import permutations, product
+import math
 from typing import Any
 
-from gradientmail.core.learner import LearnerState
-from gradientmail.core.leases import Leases
-from gradientmail.core.syncer import RoundWatch
-from specs.mailbox import (
-    ClaimObj,
-    CommitObj,
-    LeaseObj,
-    Mailbox,
-    ManifestObj,
-    ParamsObj,
-    SnapObj,
-)
-from specs.state import RUNNING, NodeState, World
+import attrs
 
-__all__ = ["canonical", "fingerprint", "view"]
+from gradientmail.core import keys
+from gradientmail.core.algorithm import DiLoCo
+from gradientmail.core.effects import LeasesListed
+from gradientmail.core.leases import Keeper, Leases
+from gradientmail.core.records import Claim, Commit, Included, Lease, Manifest, Snapshot
+from specs.mailbox import Mailbox, Payload, SnapObj
+from specs.state import NodeState, World
 
-Rename = tuple[int, ...]
+__all__ = ["fingerprint", "view"]
 
 
-def fingerprint(world: World, *, symmetry: bool = False) -> bytes:
-    """16 bytes that equal exactly when the (canonical, with ``symmetry``) views are equal."""
-    encoded = canonical(world) if symmetry else _encode(world, _identity(len(world.nodes)))
-    return hashlib.blake2b(encoded.encode(), digest_size=16).digest()
+def fingerprint(world: World) -> bytes:
+    """16 bytes that equal exactly when the views are equal."""
+    return hashlib.blake2b(repr(view(world)).encode(), digest_size=16).digest()
 
 
-def view(world: World, rename: Rename | None = None) -> tuple[Any, ...]:
-    """The world as the explorer compares it, node ``i`` renamed ``rename[i]`` (the
-    fingerprint encodes the same parts, reusing the encodings of unchanged ones)."""
-    ren = rename if rename is not None else _identity(len(world.nodes))
-    nodes = sorted((ren[i], _node(world, i, ren)) for i in range(len(world.nodes)))
-    return (
-        tuple(n for _, n in nodes),
-        _mailbox(world.mailbox, ren),
-        _counters(world),
+def view(world: World) -> tuple[Any, ...]:
+    """The world as the explorer compares it."""
+    config = world.config
+    versions = _versions(world.mailbox)
+    nodes = tuple(_node(world, node, versions) for node in world.nodes)
+    ghosts = (world.crashes, world.faults, world.pauses, world.commit_writes, world.flags)
+    return (nodes, _mailbox(world.mailbox), world.spans, ghosts, config.cap)
+
+
+def _versions(mailbox: Mailbox) -> dict[str, str]:
+    """Each lease's current version (``nonce.counter``, as the world lists it)."""
+    return _cached(
+        mailbox,
+        1,
+        lambda: {
+            key[len(keys.LEASES) :]: f"{lease.nonce}.{lease.counter}"
+            for key, lease in mailbox.list(keys.LEASES)
+            if isinstance(lease, Lease)
+        },
     )
 
 
-def canonical(world: World) -> str:
-    """The smallest encoding of the view over node permutations (symmetry reduction).
-
-    Nodes are first ordered by a name-free signature; only nodes with equal signatures are
-    permuted among themselves, and the smallest encoding wins."""
-    n = len(world.nodes)
-    blind = tuple(0 for _ in range(n))
-    versions = _lease_versions(world.mailbox)
-    signatures = sorted((_node_text(world, i, blind, versions), i) for i in range(n))
-    groups: list[list[int]] = []
-    last = None
-    for signature, i in signatures:
-        if signature != last:
-            groups.append([])
-            last = signature
-        groups[-1].append(i)
-    best: str | None = None
-    for choice in product(*(permutations(g) for g in groups)):
-        order = [i for group in choice for i in group]
-        ren = [0] * n
-        for position, i in enumerate(order):
-            ren[i] = position
-        encoded = _encode(world, tuple(ren))
-        if best is None or encoded < best:
-            best = encoded
-    assert best is not None
-    return best
+# Encodings of unchanged parts are reused: a successor shares most of its parts with its
+# parent (the same objects). Each entry keeps its object alive, so an id() is never reused
+# while its entry exists.
+_CACHE: dict[tuple[int, int], tuple[object, object]] = {}
+_LIMIT = 400_000
 
 
-# Encodings of unchanged parts are reused: a successor shares most of its components with its
-# parent (the same objects), so only what a step changed is encoded again. Each entry keeps its
-# object alive, so an id() is never reused while its entry exists.
-_TEXTS: dict[tuple[Any, ...], tuple[object, str]] = {}
-_CACHE_LIMIT = 500_000
-
-
-def _identity(n: int) -> Rename:
-    return tuple(range(n))
-
-
-def _cached(obj: object, key: tuple[Any, ...], compute: Callable[[], object]) -> str:
-    full = (id(obj), *key)
-    hit = _TEXTS.get(full)
+def _cached(obj: object, salt: int, compute: Any) -> Any:
+    key = (id(obj), salt)
+    hit = _CACHE.get(key)
     if hit is not None and hit[0] is obj:
         return hit[1]
-    if len(_TEXTS) > _CACHE_LIMIT:
-        _TEXTS.clear()
-    text = repr(compute())
-    _TEXTS[full] = (obj, text)
-    return text
+    if len(_CACHE) > _LIMIT:
+        _CACHE.clear()
+    value = compute()
+    _CACHE[key] = (obj, value)
+    return value
 
 
-def _encode(world: World, ren: Rename) -> str:
-    """``repr`` of the view's parts, joined: equal exactly when the views are equal."""
-    order = sorted(range(len(world.nodes)), key=lambda i: ren[i])
-    versions = _lease_versions(world.mailbox)
-    parts = [_node_text(world, i, ren, versions) for i in order]
-    parts.append(_cached(world.mailbox, ("M", ren), partial(_mailbox_text, world.mailbox, ren)))
-    parts.append(repr(_counters(world)))
-    return "\x00".join(parts)
-
-
-def _node_text(world: World, i: int, ren: Rename, versions: object) -> str:
-    node = world.nodes[i]
-    if node.status != RUNNING:
-        return repr((node.status, node.epoch))
-    assert node.learner is not None
-    clock, config = node.clock, world.config
-    head = _head(world, node)
-    parts = (
-        repr(head),
-        _cached(node.learner, ("l",), lambda: _learner(node.learner)),  # type: ignore[arg-type]
-        _cached(node.ready, ("r", ren), lambda: tuple(_commit(c, ren) for c in node.ready)),
-        _cached(node.known, ("k", ren), lambda: _known(node.known, ren)),
-        _cached(
-            node.leases, ("s", ren, versions, clock, config), lambda: _leases(world, node, ren)
-        ),
-        _cached(node.watches, ("w", clock, config), lambda: _watches(world, node)),
-        _cached(node.views, ("v", ren), lambda: _known(node.views, ren)),
-        repr(_work(node, ren)),
-    )
-    return "\x02".join(parts)
-
-
-class _Text(str):
-    """An encoding computed elsewhere, whose ``repr`` is itself (for ``_cached``)."""
-
-    def __repr__(self) -> str:
-        return str(self)
-
-
-def _mailbox_text(mailbox: Mailbox, ren: Rename) -> _Text:
-    entries = sorted(_cached(obj, ("m", ren), partial(_entry, obj, ren)) for obj in mailbox.values)
-    return _Text("\x01".join(entries))
-
-
-def _lease_versions(mailbox: Mailbox) -> tuple[tuple[str, str], ...]:
-    return tuple(
-        (key, obj.version) for key, obj in mailbox.list("leases/") if isinstance(obj, LeaseObj)
-    )
-
-
-def _counters(world: World) -> tuple[Any, ...]:
-    return (world.crashes, world.faults, world.pauses, world.commit_writes, world.flags)
-
-
-def _name(name: str, ren: Rename) -> int:
-    return ren[int(name[1:])]
-
-
-def _names(names: tuple[str, ...], ren: Rename) -> tuple[int, ...]:
-    return tuple(sorted(_name(n, ren) for n in names))
-
-
-def _age(now: int, stamp: float | None, cap: int) -> int | None:
-    if stamp is None:
-        return None
-    return min(int(now - stamp), cap)
-
-
-def _node(world: World, i: int, ren: Rename) -> tuple[Any, ...]:
-    node = world.nodes[i]
-    if node.status != RUNNING:
-        return (node.status, node.epoch)
-    assert node.learner is not None
-    return (
-        _head(world, node),
-        _learner(node.learner),
-        tuple(_commit(c, ren) for c in node.ready),
-        _known(node.known, ren),
-        _leases(world, node, ren),
-        _watches(world, node),
-        _known(node.views, ren),
-        _work(node, ren),
-    )
-
-
-def _head(world: World, node: NodeState) -> tuple[Any, ...]:
+def _node(world: World, node: NodeState, versions: dict[str, str]) -> Any:
     skew = node.clock - world.time if world.config.drift else 0
+    cap = world.config.cap
+    salt = hash((node.clock, cap, tuple(sorted(versions.items()))))
+    coder = _Coder(node.clock, cap, versions)
+
+    def part(value: Any) -> Any:
+        if value is None or isinstance(value, int | str | bool):
+            return value
+        return _cached(value, salt, lambda: coder.encode(value))
+
+    return _cached(node, salt, lambda: (skew, *(part(v) for v in node._replace(clock=0))))
+
+
+def _mailbox(mailbox: Mailbox) -> Any:
+    coder = _Coder(0.0, 0, {})
+    return _cached(mailbox, 0, lambda: tuple((k, coder.object(v)) for k, v in mailbox.items()))
+
+
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+class _Coder:
+    """Encodes a node's state: times relative to its ``clock``, capped at ``cap``; lease
+    versions as whether they are the current ones (``versions``)."""
+
+    def __init__(self, clock: float, cap: int, versions: dict[str, str]) -> None:
+        self.clock = clock
+        self.cap = cap
+        self.versions = versions
+
+    def fresh(self, node: str, version: str) -> bool:
+        return self.versions.get(node) == version
+
+    def object(self, obj: object) -> Any:
+        if isinstance(obj, SnapObj | Payload | int):
+            return repr(obj)
+        return self.encode(obj)
+
+    def encode(self, value: Any) -> Any:
+        """``value`` as nested tuples; every float is a time (records and states of the core
+        hold no other float the explorer reaches)."""
+        if value is None or isinstance(value, bool | int | str):
+            return value
+        if isinstance(value, float):
+            if math.isinf(value):
+                return value
+            return min(self.cap, max(-self.cap, round(value - self.clock, 6)))
+        special = _SPECIAL.get(type(value))
+        if special is not None:
+            return special(self, value)
+        if isinstance(value, tuple | list):
+            return tuple(self.encode(v) for v in value)
+        if isinstance(value, frozenset | set):
+            return tuple(sorted((self.encode(v) for v in value), key=repr))
+        cls = type(value)
+        names = _FIELDS.get(cls)
+        if names is None:
+            if not attrs.has(cls):
+                raise TypeError(f"the view cannot encode a {cls.__name__}")
+            names = _FIELDS[cls] = tuple(a.name for a in attrs.fields(cls))
+        return (cls.__name__, *(self.encode(getattr(value, n)) for n in names))
+
+
+def _lease(coder: _Coder, lease: Lease) -> Any:
+    return ("lease", lease.node, lease.nonce, lease.left)
+
+
+def _leases(coder: _Coder, leases: Leases) -> Any:
+    seen = tuple(
+        (n, coder.fresh(n, o.version), o.left, o.nonce, coder.encode(o.changed_at))
+        for n, o in leases.seen
+    )
+    return ("leases", seen, coder.encode(leases.polled_at))
+
+
+def _keeper(coder: _Coder, keeper: Keeper) -> Any:
+    fresh = coder.fresh
     return (
-        node.status,
-        node.epoch,
-        skew,
-        node.produced,
-        tuple(tuple(job) for job in node.jobs),
-        node.captured,
-        node.next_poll,
-        node.watched,
-        node.leaving,
-        node.synced,
-        node.paused,
+        "keeper",
+        coder.encode(keeper.next_renewal),
+        coder.encode(keeper.next_observation),
+        keeper.leaving,
+        keeper.renewing,
+        _leases(coder, keeper.view),
+        tuple((n, fresh(n, k.version), k.size, k.left, k.nonce) for n, k in keeper.known),
+        tuple((n, fresh(n, v)) for n, v in keeper.rejected),
+        None
+        if keeper.listing is None
+        else tuple((n, fresh(n, e[0]), e[1], e[2]) for n, e in keeper.listing),
+        tuple((n, fresh(n, e[0]), e[1]) for n, e in keeper.waiting),
+        tuple(sorted(keeper.expired)),
     )
 
 
-def _known(pairs: tuple[tuple[int, tuple[str, ...]], ...], ren: Rename) -> tuple[Any, ...]:
-    return tuple((r, _names(nodes, ren)) for r, nodes in pairs)
+def _listed(coder: _Coder, listed: LeasesListed) -> Any:
+    return ("listed", tuple((n, coder.fresh(n, v), size) for n, v, size in listed.entries))
 
 
-def _watches(world: World, node: NodeState) -> tuple[Any, ...]:
-    return tuple(_watch(world, node.clock, w) for w in node.watches)
+def _manifest(coder: _Coder, manifest: Manifest) -> Any:
+    return ("manifest", manifest.creator, manifest.nonce)
 
 
-def _learner(state: LearnerState) -> tuple[Any, ...]:
-    fragments = tuple(
-        (
-            f.merged,
-            f.outstanding,
-            f.published_at,
-            f.in_flight_samples,
-            f.in_flight_steps,
-            f.samples,
-            f.steps,
-        )
-        for f in state.fragments
-    )
-    return (state.step, state.slot, state.deferred, state.closing, fragments)
+def _commit(coder: _Coder, commit: Commit) -> Any:
+    # A commit's nonce is its writer's alone (one per payload write): it stands for the record.
+    return ("commit", commit.round, commit.nonce)
 
 
-def _leases(world: World, node: NodeState, ren: Rename) -> tuple[Any, ...]:
-    config = world.config
-    leases: Leases = node.leases
-    seen = []
-    for name, observed in leases.seen:
-        current = world.mailbox.get("leases/" + name)
-        fresh = isinstance(current, LeaseObj) and current.version == observed.version
-        epoch = int(observed.nonce[4:10], 16)
-        age = _age(node.clock, observed.changed_at, config.lease_timeout)
-        at_poll = _age(leases.polled_at or 0, observed.changed_at, config.lease_timeout)
-        seen.append((_name(name, ren), fresh, observed.left, epoch, age, at_poll))
-    return (tuple(sorted(seen)), leases.polled_at is not None)
+def _snapshot(coder: _Coder, snapshot: Snapshot) -> Any:
+    return ("snapshot", snapshot.node, snapshot.nonce, snapshot.round)
 
 
-def _watch(world: World, now: int, watch: RoundWatch) -> tuple[Any, ...]:
-    config = world.config
-    spread = (config.nodes - 1) * config.takeover
-    claims = tuple(
-        (a, _age(now, seen, config.takeover * 2**a + spread)) for a, seen in watch.claim_seen
-    )
-    return (
-        watch.round,
-        _age(now, watch.quorum_since, config.grace),
-        _age(now, watch.open_since, spread),
-        tuple(sorted(claims)),
-    )
+def _claim(coder: _Coder, claim: Claim) -> Any:
+    return ("claim", claim.node, claim.nonce, claim.round, claim.attempt)
 
 
-def _work(node: NodeState, ren: Rename) -> tuple[Any, ...] | None:
-    if node.work is None:
-        return None
-    w = node.work
-    included = tuple(sorted((_name(inc.node, ren), *inc[1:]) for inc in w.included))
-    return (w.round, w.attempt, included, w.retried)
+def _included(coder: _Coder, included: Included) -> Any:
+    return ("included", included.node, included.nonce)
 
 
-def _commit(c: CommitObj, ren: Rename) -> tuple[Any, ...]:
-    included = tuple(sorted((_name(inc.node, ren), *inc[1:]) for inc in c.included))
-    return (c.round, c.base, _name(c.closer, ren), c.epoch, c.attempt, included)
-
-
-def _mailbox(mailbox: Mailbox, ren: Rename) -> tuple[Any, ...]:
-    return tuple(sorted(repr(_entry(obj, ren)) for obj in mailbox.values))
-
-
-def _entry(obj: object, ren: Rename) -> tuple[Any, ...]:
-    if isinstance(obj, SnapObj):
-        return ("snap", obj.round, _name(obj.node, ren), obj.epoch, *obj[3:])
-    if isinstance(obj, ClaimObj):
-        return ("claim", obj.round, obj.attempt, _name(obj.node, ren), obj.epoch)
-    if isinstance(obj, CommitObj):
-        return ("commit", obj.round, _commit(obj, ren))
-    if isinstance(obj, ParamsObj):
-        return ("params", obj.round, _name(obj.closer, ren), obj.epoch, obj.attempt)
-    if isinstance(obj, LeaseObj):
-        return ("lease", 0, _name(obj.node, ren), obj.epoch, obj.left)
-    assert isinstance(obj, ManifestObj)
-    return ("manifest", 0)
+_SPECIAL: dict[type, Any] = {
+    Lease: _lease,
+    Leases: _leases,
+    Keeper: _keeper,
+    LeasesListed: _listed,
+    Manifest: _manifest,
+    Commit: _commit,
+    Snapshot: _snapshot,
+    Claim: _claim,
+    Included: _included,
+    DiLoCo: lambda coder, _: "algorithm",
+}

@@ -1,58 +1,83 @@
-"""The world: ``initial(config)``, ``successors(world)``, ``enabled(world)`` and
-``apply(world, event)``. Every protocol decision is the real core rule's (``specs.learning``,
-``specs.closing``); this module only says which atomic steps exist and when they may happen.
+"""The world: ``initial(config)``, ``successors(world)`` and ``apply(world, event)``.
+
+A node is the library's own machines (``gradientmail.core``: ``join.step``, ``polling.step``,
+``syncer.step``, the ``learner`` rules), driven as ``gradientmail._node.drive`` drives them:
+call the rule with the loop's view and the node's clock, carry out the effects
+(``specs.execute``), feed the results to the next call, and wait until the rule's deadline or a
+message. This module only says which atomic steps exist and when they may happen; every
+protocol decision is a rule's.
 
 Events, per node ``i`` (``Event.kind``):
 
 ====================  =======================================================================
-join                  create or join the run (a restart when the node is down: new nonce)
-train                 apply ready commits, then one inner step (``rules.step``); a publish
-                      captures a job (``Learner.advance``)
-merge                 apply the first ready commit (``rules.on_commit``) while ``step`` is
-                      blocked or the node is closing (the shell's ``blocked``/``done``)
-upload                create the first job's snapshot; outcome ok, lost or ambiguous
-poll                  GET the next commit of every fragment
-sync                  one syncer pass: renew, observe, look at each watched round
-renew / observe       (no timers) put the node's lease / LIST all leases
-claim round r         (no timers) ``rules.decide`` on watched round r; claim and read it
-commit                create the commit record of won work; outcome ok, lost or ambiguous
+join                  start a process (a restart when the node is down: a new nonce)
+step <loop>           run loop ``join``, ``learner`` or ``syncer`` one step (``Config.grain``);
+                      ``outcome`` faults its first create: lost in transit, or ambiguous
+train                 apply delivered commits, then one inner step (``learner.step``); a
+                      publish captures a job for the learner loop (``Node.step``)
+merge                 apply the first delivered commit while ``step`` is blocked or closing
+leave / finish        ``Node.close``: ``learner.close`` and the syncer told to leave / once
+                      the learner is done, both loops told to stop
 crash                 the process dies, losing everything volatile
 pause / resume        the whole process freezes / goes on (a long GC, a suspended VM)
-leave / stop          ``Session.close`` (``rules.close``) / the learner is done: stop
 tick / fast / slow    virtual time advances (all clocks, one clock ahead, one clock behind)
 ====================  =======================================================================
 
-With ``timers``, ``tick`` waits until every running, unpaused node has done what its loops do
-every poll interval: its syncer pass, the commit of a round it claimed, its uploads and its
-polls. Within a tick those steps interleave freely; a node that falls behind is a paused node
-(budgeted). Training is the user's loop and has no timing; merges follow training.
+``tick`` waits until no running, unpaused node has a loop due (a message or result to take in,
+or its deadline reached): a node whose loops fall behind is a paused one (budgeted). Training
+is the user's loop and has no timing.
 
 State constraints (``Config``): training publishes below ``rounds``, anything below
-``rounds + fragments``; ``steps`` per incarnation; ``attempts`` per round; crash and fault
+``rounds + fragments``; ``steps`` per incarnation; ``attempts`` per round; crash, fault and pause
 budgets; clock drift within ``drift``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from functools import lru_cache
+from typing import Any
 
-from gradientmail.core import learner as rules
-from specs import closing, learning
+from gradientmail.core import effects as fx
+from gradientmail.core import join, keys, learner, polling, syncer
+from gradientmail.core.records import Commit, Manifest
+from specs.bugs import rules_for
 from specs.config import Config
-from specs.mailbox import Mailbox
-from specs.state import ABSENT, DOWN, Event, NodeState, World
+from specs.execute import CREATES, WRITES, execute, run_schema
+from specs.mailbox import Mailbox, nonce
+from specs.state import (
+    ABSENT,
+    DOWN,
+    GONE,
+    JOINING,
+    LOOPS,
+    RUNNING,
+    Event,
+    Job,
+    Loop,
+    NodeState,
+    World,
+)
 
 __all__ = [
+    "OutOfBounds",
     "apply",
     "enabled",
     "initial",
+    "newest",
     "of_kind",
     "progress_possible",
+    "runnable",
     "successors",
     "try_apply",
 ]
 
 FAULTS = ("lost", "ambiguous")
+
+
+class OutOfBounds(Exception):
+    """The step would leave the explored bounds (a state constraint, not an error)."""
 
 
 def initial(config: Config) -> World:
@@ -65,28 +90,316 @@ def initial(config: Config) -> World:
     )
 
 
+# -- settings ------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1024)
+def _settings(config: Config, i: int, epoch: int, loop: str, manifest: Manifest | None) -> Any:
+    rules = rules_for(config.bugs)
+    me, process = config.names[i], nonce(i, epoch)
+    if loop == "join":
+        return join.Settings(
+            node=me,
+            process=process,
+            schema=run_schema(config.fragments),
+            algorithm=config.algorithm,
+            mapping={f"p{k}": k for k in range(config.fragments)},
+            lease_every=float(config.lease_every),
+            rules=rules,
+        )
+    assert manifest is not None
+    if loop == "learner":
+        return polling.Settings(
+            node=me, manifest=manifest, poll_interval=float(config.poll_interval), rules=rules
+        )
+    return syncer.Settings(
+        node=me,
+        process=process,
+        manifest=manifest,
+        poll_interval=float(config.poll_interval),
+        lease_every=float(config.lease_every),
+        lease_timeout=float(config.lease_timeout),
+        takeover=float(config.takeover),
+        keep=config.keep,
+        horizon=float(config.horizon),
+        outlier_factor=None,
+        rules=rules,
+    )
+
+
+_RULES: dict[str, Callable[..., tuple[Any, list[fx.Effect], str]]] = {
+    "join": join.step,
+    "learner": polling.step,
+    "syncer": syncer.step,
+}
+
+
+# -- a loop's step -----------------------------------------------------------------------
+
+
+def runnable(node: NodeState, loop: str) -> bool:
+    """Whether ``loop`` of ``node`` is due: something to take in, or its deadline reached."""
+    found = node.loop(loop)
+    return (
+        node.active and found is not None and not found.done
+        and (bool(found.inbox) or node.clock >= found.wake)
+    )  # fmt: skip
+
+
+def _step(world: World, i: int, loop: str, outcome: str) -> World:
+    """Run ``loop`` of node ``i`` as the driver does, one call (grain "call") or calls until
+    one writes or the loop waits (grain "write"); ``outcome`` faults the first create."""
+    config = world.config
+    manifest = world.mailbox.get(keys.MANIFEST) if loop != "join" else None
+    assert manifest is None or isinstance(manifest, Manifest)
+    rule, settings = _RULES[loop], _settings(config, i, world.node(i).epoch, loop, manifest)
+    fault = outcome
+    while True:
+        node = world.node(i)
+        current = node.loop(loop)
+        assert current is not None
+        view = current.inbox
+        state, effects, _ = rule(view, current.state, now=float(node.clock), settings=settings)
+        world = world.with_node(i, node._replace(**{loop: current._replace(state=state, inbox=())}))
+        results: list[fx.Result] = []
+        until, wrote, done = math.inf, False, False
+        for effect in effects:
+            if isinstance(effect, fx.Wait):
+                until = math.inf if effect.until is None else effect.until
+            elif isinstance(effect, fx.Done):
+                done = True
+            elif isinstance(effect, fx.Fail):
+                world = world.flag("failed", f"n{i}'s {loop} loop failed: {effect.error}")
+                done = True
+            else:
+                if isinstance(effect, fx.CreateClaim) and effect.claim.attempt >= config.attempts:
+                    raise OutOfBounds(f"attempt {effect.claim.attempt} of {effect.claim.round}")
+                this = _fault(fault, effect)
+                if this != "ok":
+                    fault = "ok"
+                world, result = execute(world, i, effect, this)
+                if result is not None:
+                    results.append(result)
+                wrote = wrote or isinstance(effect, WRITES)
+        node = world.node(i)
+        current = node.loop(loop)
+        assert current is not None
+        inbox = (*current.inbox, *results)
+        wake = -math.inf if results else until
+        world = world.with_node(
+            i, node._replace(**{loop: current._replace(inbox=inbox, wake=wake)})
+        )
+        if done:
+            return _finished(world, i, loop)
+        if config.grain == "call" or wrote or not results:
+            return world
+
+
+def _fault(outcome: str, effect: fx.Effect) -> str:
+    """The outcome for ``effect``: ``outcome`` ("lost", "ambiguous", or either "@" a kind of
+    record: "ambiguous@commit") if ``effect`` is a create it applies to, else "ok"."""
+    kind = CREATES.get(type(effect))
+    mode, _, wanted = outcome.partition("@")
+    if kind is None or mode == "ok" or (wanted and wanted != kind):
+        return "ok"
+    return mode
+
+
+def _finished(world: World, i: int, loop: str) -> World:
+    node = world.node(i)
+    current = node.loop(loop)
+    assert current is not None
+    if loop == "join":
+        return _started(world, i, current.state)
+    node = node._replace(**{loop: current._replace(done=True, inbox=(), wake=math.inf)})
+    if (
+        node.learner is not None
+        and node.syncer is not None
+        and node.learner.done
+        and node.syncer.done
+    ):
+        node = NodeState(status=GONE, epoch=node.epoch, clock=node.clock)
+    return world.with_node(i, node)
+
+
+def _started(world: World, i: int, state: join.JoinState) -> World:
+    """The join is done: the node runs (``join.started``), holding the newest commits."""
+    node = world.node(i)
+    if not state.done:  # the join failed (a flag says why): the process ends
+        return world.with_node(i, NodeState(status=DOWN, epoch=node.epoch, clock=node.clock))
+    trainer, polled, synced = join.started(state, process=nonce(i, node.epoch))
+    merged = tuple(f.merged for f in trainer.fragments)
+    for k, (got, floor) in enumerate(zip(merged, node.floor, strict=True)):
+        if got < floor:
+            world = world.flag(
+                "join-newest",
+                f"n{i} joined holding round {got} of fragment {k}, though round {floor} was "
+                "committed before its join began",
+            )
+    node = node._replace(
+        status=RUNNING, join=None, trainer=trainer, learner=Loop(polled), syncer=Loop(synced)
+    )
+    return world.with_node(i, node)
+
+
+# -- the training side -------------------------------------------------------------------
+
+
+def _train(world: World, i: int, samples: int) -> World:
+    """``Node.step``: apply every delivered commit, then one inner step."""
+    world = _merge_all(world, i)
+    node = world.node(i)
+    assert node.trainer is not None
+    trainer, effects = learner.step(node.trainer, world.config.algorithm, samples)
+    node = node._replace(trainer=trainer, produced=node.produced + samples)
+    return _publish(world.with_node(i, node), i, effects)
+
+
+def _merge_all(world: World, i: int) -> World:
+    while world.node(i).ready:
+        world = _merge(world, i)
+    return world
+
+
+def _merge(world: World, i: int) -> World:
+    """Apply the first delivered commit (``learner.counted``, then ``rules.on_commit``), and
+    check that the merge agrees with whether the store's commit counted the snapshot."""
+    config, node = world.config, world.node(i)
+    assert node.trainer is not None and node.ready
+    ready, rest = node.ready[0], node.ready[1:]
+    r, me = ready.commit.round, config.names[i]
+    before = node.trainer.fragments[r % config.fragments]
+    truth = _counted(world, before, me)
+    included = learner.counted(
+        node.trainer, config.algorithm, round=r, me=me, counted=ready.counted
+    )
+    trainer, effects = rules_for(config.bugs).on_commit(
+        node.trainer, config.algorithm, round=r, included=included
+    )
+    for effect in effects:
+        if isinstance(effect, fx.Merge) and effect.round <= before.merged:
+            world = world.flag(
+                "merges-forward", f"n{i} merged round {r} after round {before.merged}"
+            )
+        if isinstance(effect, fx.Merge) and (effect.since == "snapshot") != truth:
+            world = world.flag(
+                "merges-forward",
+                f"n{i} merged round {r} since its {effect.since} though the commit "
+                f"{'counts' if truth else 'does not count'} its snapshot",
+            )
+        if isinstance(effect, fx.Rebased) and truth:
+            world = world.flag(
+                "merges-forward",
+                f"n{i} rebased its snapshot of round {effect.missed}, which a commit counted",
+            )
+    node = node._replace(trainer=trainer, ready=rest)
+    return _publish(world.with_node(i, node), i, effects)
+
+
+def _counted(world: World, fragment: Any, me: str) -> bool:
+    """Ground truth: whether the commit of the node's outstanding round counts its snapshot
+    (commit records are never collected)."""
+    if fragment.outstanding is None or fragment.nonce is None:
+        return False
+    commit = world.mailbox.get(keys.commit(fragment.outstanding))
+    return isinstance(commit, Commit) and commit.includes(me, fragment.nonce)
+
+
+def _publish(world: World, i: int, effects: list[learner.Effect]) -> World:
+    """The training side's ``Publish`` effects: capture a job, tell the learner loop."""
+    node = world.node(i)
+    assert node.trainer is not None
+    jobs = list(node.jobs)
+    for effect in effects:
+        if isinstance(effect, fx.Publish):
+            f = node.trainer.fragments[effect.fragment]
+            assert f.nonce is not None
+            hi = node.produced
+            jobs.append(
+                Job(
+                    round=effect.round,
+                    nonce=f.nonce,
+                    base=effect.base_round,
+                    lo=hi - effect.samples,
+                    hi=hi,
+                    steps=effect.steps,
+                )
+            )
+            assert node.learner is not None
+            message = fx.Captured(round=effect.round, nonce=f.nonce)
+            node = node._replace(
+                learner=node.learner._replace(inbox=(*node.learner.inbox, message))
+            )
+    return world.with_node(i, node._replace(jobs=tuple(jobs)))
+
+
+def _leave(world: World, i: int) -> World:
+    """``Node.close`` begins: publish what is left (``learner.close``), release the lease."""
+    world = _merge_all(world, i)
+    node = world.node(i)
+    assert node.trainer is not None and node.syncer is not None
+    trainer, effects = learner.close(node.trainer, world.config.algorithm)
+    syncer_loop = node.syncer._replace(inbox=(*node.syncer.inbox, fx.Leave()))
+    node = node._replace(trainer=trainer, leaving=True, syncer=syncer_loop)
+    return _publish(world.with_node(i, node), i, effects)
+
+
+def _finish(world: World, i: int) -> World:
+    """``Node.close`` ends once the learner is done: both loops are told to stop."""
+    node = world.node(i)
+    assert node.learner is not None and node.syncer is not None
+    learner_loop = node.learner._replace(inbox=(*node.learner.inbox, fx.Stop()))
+    syncer_loop = node.syncer._replace(inbox=(*node.syncer.inbox, fx.Stop()))
+    return world.with_node(
+        i, node._replace(finished=True, learner=learner_loop, syncer=syncer_loop)
+    )
+
+
+# -- events ------------------------------------------------------------------------------
+
+
+def newest(world: World, k: int) -> int:
+    """Ground truth: fragment ``k``'s newest commit round (-1: none)."""
+    found = -1
+    for commit in world.mailbox.commits():
+        if commit.round % world.config.fragments == k:
+            found = max(found, commit.round)
+    return found
+
+
 def apply(world: World, event: Event) -> World:
     """The world after ``event`` (which must be enabled)."""
-    i = event.node
-    kind = event.kind
-    if kind in _NODE_STEPS:
-        return _NODE_STEPS[kind](world, i)
+    i, kind = event.node, event.kind
+    if kind == "step":
+        return _step(world, i, event.loop, event.outcome)
+    if kind == "join":
+        node = world.node(i)
+        floor = tuple(newest(world, k) for k in range(world.config.fragments))
+        joining = NodeState(
+            status=JOINING, epoch=node.epoch + 1, clock=node.clock, join=Loop(join.JoinState()),
+            floor=floor,
+        )  # fmt: skip
+        return world.with_node(i, joining)
     if kind == "train":
-        return learning.train(world, i, event.samples)
-    if kind == "upload":
-        return learning.upload(world, i, event.outcome)
-    if kind == "claim":
-        return closing.claim(world, i, event.round)
-    if kind == "commit":
-        return closing.commit(world, i, event.outcome)
-    if kind == "tick":
-        nodes = tuple(n._replace(clock=n.clock + 1, synced=False) for n in world.nodes)
-        return world._replace(time=world.time + 1, nodes=nodes)
+        return _train(world, i, event.samples)
+    if kind == "merge":
+        return _merge(world, i)
+    if kind == "leave":
+        return _leave(world, i)
+    if kind == "finish":
+        return _finish(world, i)
+    if kind == "crash":
+        node = world.node(i)
+        down = NodeState(status=DOWN, epoch=node.epoch, clock=node.clock)
+        return world.with_node(i, down)._replace(crashes=world.crashes + 1)
     if kind == "pause":
         world = world._replace(pauses=world.pauses + 1)
         return world.with_node(i, world.node(i)._replace(paused=True))
     if kind == "resume":
         return world.with_node(i, world.node(i)._replace(paused=False))
+    if kind == "tick":
+        nodes = tuple(n._replace(clock=n.clock + 1) for n in world.nodes)
+        return world._replace(time=world.time + 1, nodes=nodes)
     if kind == "fast":
         return world.with_node(i, world.node(i)._replace(clock=world.node(i).clock + 1))
     if kind == "slow":
@@ -95,41 +408,37 @@ def apply(world: World, event: Event) -> World:
     raise ValueError(f"unknown event kind {kind!r}")
 
 
-_NODE_STEPS: dict[str, Callable[[World, int], World]] = {
-    "sync": closing.sync,
-    "join": learning.join,
-    "merge": learning.merge,
-    "poll": learning.poll,
-    "renew": learning.renew,
-    "observe": learning.observe_leases,
-    "crash": learning.crash,
-    "leave": learning.leave,
-    "stop": learning.stop,
-}
-
-
 def successors(world: World, *, samples: tuple[int, ...] = (1,)) -> list[tuple[Event, World]]:
     """Every enabled event with the world it leads to, in a fixed order (nodes by index).
     Events that would leave the bounds, or that change nothing, are not enabled."""
     found: list[tuple[Event, World]] = []
     for i, node in enumerate(world.nodes):
         for event in _candidates(world, i, node, samples):
-            try:
-                after = apply(world, event)
-            except closing.OutOfBounds:
-                continue
-            if after != world and _within(world, after, i, event):
+            after = _attempt(world, event)
+            if after is not None:
                 found.append((event, after))
-    if _may_tick(world):
+    if may_tick(world):
         found.append((Event("tick"), apply(world, Event("tick"))))
     if world.config.drift:
         for i, node in enumerate(world.nodes):
             skew = node.clock - world.time
-            if node.running and skew < world.config.drift:
+            if node.alive and skew < world.config.drift:
                 found.append((Event("fast", i), apply(world, Event("fast", i))))
-            if node.running and skew > -world.config.drift:
+            if node.alive and skew > -world.config.drift:
                 found.append((Event("slow", i), apply(world, Event("slow", i))))
     return found
+
+
+def _attempt(world: World, event: Event) -> World | None:
+    try:
+        after = apply(world, event)
+    except OutOfBounds:
+        return None
+    if after == world or not _within(world, after, event):
+        return None
+    if event.outcome != "ok" and after.faults == world.faults:
+        return None  # no create to fault in this step: the same as "ok"
+    return after
 
 
 def enabled(world: World, *, samples: tuple[int, ...] = (1,)) -> list[Event]:
@@ -143,15 +452,10 @@ def try_apply(world: World, event: Event) -> World | None:
     if not 0 <= event.node < len(world.nodes):
         return None
     node = world.node(event.node)
-    if event not in _candidates(world, event.node, node, (event.samples,)):
+    plain = event._replace(outcome=event.outcome.partition("@")[0])
+    if plain not in _candidates(world, event.node, node, (event.samples,)):
         return None
-    try:
-        after = apply(world, event)
-    except closing.OutOfBounds:
-        return None
-    if after == world or not _within(world, after, event.node, event):
-        return None
-    return after
+    return _attempt(world, event)
 
 
 def of_kind(
@@ -164,38 +468,35 @@ def of_kind(
     found = []
     for i, node in enumerate(world.nodes):
         for event in _candidates(world, i, node, samples):
-            if event.kind not in kinds:
-                continue
-            try:
-                after = apply(world, event)
-            except closing.OutOfBounds:
-                continue
-            if after != world and _within(world, after, i, event):
-                found.append((event, after))
+            if event.kind in kinds:
+                after = _attempt(world, event)
+                if after is not None:
+                    found.append((event, after))
     return found
 
 
 def progress_possible(world: World, kinds: frozenset[str]) -> bool:
-    """Whether a step of one of ``kinds`` would change the world, bounds ignored."""
+    """Whether an event of one of ``kinds`` would change the world, bounds ignored."""
     for i, node in enumerate(world.nodes):
         for event in _candidates(world, i, node, (1,), bounded=False):
-            if event.kind not in kinds:
+            if event.kind not in kinds or event.outcome != "ok":
                 continue
             try:
                 if apply(world, event) != world:
                     return True
-            except closing.OutOfBounds:
+            except OutOfBounds:
                 return True
     return False
 
 
-def _may_tick(world: World) -> bool:
-    if not world.config.timers:
-        return True
-    return all(
-        not node.active
-        or (node.synced and node.work is None and not node.jobs and not learning.pollable(world, i))
-        for i, node in enumerate(world.nodes)
+def may_tick(world: World) -> bool:
+    """Time moves only when no running, unpaused node has a loop due."""
+    return not any(runnable(node, loop) for node in world.nodes for loop in LOOPS)
+
+
+def blocked(node: NodeState, config: Config) -> bool:
+    return (
+        node.trainer is not None and learner.waiting_on(node.trainer, config.algorithm) is not None
     )
 
 
@@ -205,46 +506,38 @@ def _candidates(
     config = world.config
     if node.status in (ABSENT, DOWN):
         return [Event("join", i)]
-    if not node.running:
+    if not node.alive:
         return []
     crash = [Event("crash", i)] if world.crashes < config.crashes else []
     if node.paused:
         return [Event("resume", i), *crash]
-    assert node.learner is not None
     events = []
-    blocked = rules.waiting_on(node.learner, config.algorithm) is not None
-    more = node.learner.step < config.step_bound or not bounded
-    if not node.learner.closing and not blocked and more:
-        events += [Event("train", i, samples=s) for s in samples]
-    if node.ready and (blocked or node.learner.closing):
-        events.append(Event("merge", i))
     outcomes = ("ok", *FAULTS) if world.faults < config.faults else ("ok",)
-    if node.jobs:
-        events += [Event("upload", i, outcome=o) for o in outcomes]
-    if learning.pollable(world, i):
-        events.append(Event("poll", i))
-    if node.work is not None:
-        events += [Event("commit", i, outcome=o) for o in outcomes]
-    elif config.timers:
-        if not node.synced:
-            events.append(Event("sync", i))
-    else:
-        events += [Event("renew", i), Event("observe", i), Event("sync", i)]
-        events += [Event("claim", i, round=r) for r in node.watched]
+    for loop in LOOPS:
+        if runnable(node, loop):
+            events += [Event("step", i, loop=loop, outcome=o) for o in outcomes]
+    if node.running:
+        assert node.trainer is not None
+        is_blocked = blocked(node, config)
+        more = node.trainer.step < config.step_bound or not bounded
+        if not node.leaving and not is_blocked and more:
+            events += [Event("train", i, samples=s) for s in samples]
+        if node.ready and (is_blocked or node.leaving):
+            events.append(Event("merge", i))
+        if config.leave and not node.leaving:
+            events.append(Event("leave", i))
+        if node.leaving and not node.finished and learner.done(node.trainer) and not node.ready:
+            events.append(Event("finish", i))
     events += crash
     if world.pauses < config.pauses:
         events.append(Event("pause", i))
-    if config.leave and not node.leaving:
-        events.append(Event("leave", i))
-    if node.leaving and node.work is None and not node.jobs and rules.done(node.learner):
-        events.append(Event("stop", i))
     return events
 
 
-def _within(before: World, after: World, i: int, event: Event) -> bool:
+def _within(before: World, after: World, event: Event) -> bool:
     if event.kind not in ("train", "merge", "leave"):
         return True
     config = before.config
     bound = config.rounds if event.kind == "train" else config.round_bound
-    new = after.node(i).jobs[len(before.node(i).jobs) :]
+    new = after.node(event.node).jobs[len(before.node(event.node).jobs) :]
     return all(job.round < bound for job in new)

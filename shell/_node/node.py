@@ -19,7 +19,7 @@ from gradientmail._node.learner import LearnerLoop
 from gradientmail._node.syncer import SyncerLoop
 from gradientmail._node.training import Trainer
 from gradientmail.adapters import Adapter, Backend, backend_for, default_backend
-from gradientmail.core import gc, join, keys, learner, polling, syncer
+from gradientmail.core import gc, join, keys, polling, syncer
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.codecs import Compression
 from gradientmail.core.effects import Leave, Stop
@@ -140,7 +140,7 @@ class Node:
         for found in loaded:
             self.adapter.write(found)
         base = [self.backend.load(found) for found in loaded]
-        self._build(manifest, state.newest, base)
+        self._build(state, base)
         self.on_event(
             Joined(
                 node=self.node,
@@ -149,8 +149,10 @@ class Node:
             )
         )
 
-    def _build(self, manifest: Any, newest: Any, base: list[Any]) -> None:
-        merged = tuple(c.round if c else -1 for c in newest)
+    def _build(self, state: join.JoinState, base: list[Any]) -> None:
+        manifest = state.manifest
+        assert manifest is not None
+        trained, polled, synced = join.started(state, process=self.process)
         learner_inbox, syncer_inbox = Inbox(self.clock.bell()), Inbox(self.clock.bell())
         handover = Handover()
         self.trainer = Trainer(
@@ -158,7 +160,7 @@ class Node:
             backend=self.backend,
             manifest=manifest,
             node=self.node,
-            state=learner.join(self.algorithm, merged, process=self.process),
+            state=trained,
             base=base,
             handoff=self.handoff,
             loop=learner_inbox,
@@ -172,7 +174,7 @@ class Node:
                 poll_interval=self._poll_interval,
                 rules=self._rules,
             ),
-            state=polling.start(manifest, merged),
+            state=polled,
             exchange=self.exchange,
             backend=self.backend,
             compression=self._compression,
@@ -182,7 +184,6 @@ class Node:
             syncer=syncer_inbox,
             on_event=self.on_event,
         )
-        known = tuple(sorted((c.round, c) for c in newest if c is not None))
         self.syncer = SyncerLoop(
             settings=syncer.Settings(
                 node=self.node,
@@ -197,10 +198,7 @@ class Node:
                 outlier_factor=self._outlier_factor,
                 rules=self._rules,
             ),
-            state=syncer.SyncerState(
-                commits=known,
-                peers=frozenset(i.node for _, c in known for i in c.included),
-            ),
+            state=synced,
             exchange=self.exchange,
             backend=self.backend,
             compression=self._compression,
@@ -216,15 +214,18 @@ class Node:
     def loops(self) -> list[tuple[str, Coroutine[Any, Any, None]]]:
         """The learner and syncer loops, each ending the node's training (``step`` raises
         what it died of) and its lease renewals if it fails (Decision 2)."""
-        assert self.learner is not None and self.syncer is not None
+        learner, syncer = self.learner, self.syncer
+        assert learner is not None and syncer is not None
         return [
-            ("learner", self._hosted("learner", self.learner.run(self.clock))),
-            ("syncer", self._hosted("syncer", self.syncer.run(self.clock))),
+            ("learner", self._hosted("learner", lambda: learner.run(self.clock))),
+            ("syncer", self._hosted("syncer", lambda: syncer.run(self.clock))),
         ]
 
-    async def _hosted(self, where: str, loop: Coroutine[Any, Any, None]) -> None:
+    async def _hosted(
+        self, where: str, loop: Callable[[], Coroutine[Any, Any, None]]
+    ) -> None:
         try:
-            await loop
+            await loop()
         except Exception as exc:
             self.fail(where, exc)
 

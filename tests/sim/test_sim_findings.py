@@ -11,6 +11,7 @@ import pytest
 from sim.sim_config import SimConfig
 from sim.sim_world import Outcome, simulate
 from sim.simulate import replay_command, run_seed
+from specs.bugs import BUGS
 
 # A small, fast cluster: 4 nodes, short leases, a round every 8 steps of 0.2 s.
 BASE: dict[str, Any] = {
@@ -36,17 +37,38 @@ def first_found(kind: str, seeds: range, **settings: Any) -> Outcome | None:
     return None
 
 
-@pytest.mark.parametrize(
-    ("plant", "kind", "settings"),
-    [
-        # Decision 2's takeover timeout disabled: attempt 1 opens as soon as attempt 0 is seen.
-        ("takeover-now", "takeover-early", {}),
-        # The learner told its snapshot was never included: it rebases counted progress.
-        ("rebase-included", "rebased-included", {}),
-        # The commit record overwritten instead of created once; needs a stalled closer.
-        ("commit-overwrite", "commit-twice", {"pause_on_write": 0.02, "pause_length": 2.0}),
-    ],
-)
+# Every planted bug of the registry (specs/bugs.py), the violation the simulator reports, and
+# the faults that make it show within a few seeds.
+PLANTED: list[tuple[str, str, dict[str, Any]]] = [
+    # Decision 2's takeover timeout disabled: attempt 1 opens as soon as attempt 0 is seen.
+    ("takeover-now", "takeover-early", {}),
+    # The learner told its snapshot was never included: it rebases counted progress.
+    ("rebase-included", "rebased-included", {}),
+    # The closer deletes the commit key before its create; needs a stalled closer.
+    ("commit-overwrite", "commit-twice", {"pause_on_write": 0.02, "pause_length": 2.0}),
+    # Creates never read back: a closer whose commit landed with its answer lost deletes its
+    # payloads, and the readers of that commit find its parameters gone for good.
+    ("no-readback", "node-failed", {"fail_after": 0.2}),
+    # No takeover: a closer that crashes after its claim leaves its round open forever.
+    ("no-takeover", "liveness", {"crash_on_write": 0.05, "restart": 0.0}),
+    # A reader skipping collected commits judges its snapshot by the newest one alone.
+    (
+        "skip-forgets",
+        "rebased-included",
+        {"keep_rounds": 1, "pause_rate": 20.0, "pause_length": 3.0},
+    ),
+    # Collection ignoring keep_rounds: the audit finds payloads gone that the rule keeps.
+    ("gc-too-early", "audit", {"keep_rounds": 2}),
+    # A chain walk that skips a commit: a restarted node joins holding an older commit.
+    ("chain-skips", "join-newest", {"crash_rate": 20.0, "restart": 1.0, "downtime": 2.0}),
+]
+
+
+def test_every_planted_bug_is_simulated() -> None:
+    assert {plant for plant, _, _ in PLANTED} == set(BUGS)
+
+
+@pytest.mark.parametrize(("plant", "kind", "settings"), PLANTED, ids=[p[0] for p in PLANTED])
 def test_a_planted_bug_is_found_with_a_replayable_seed(
     plant: str, kind: str, settings: dict[str, Any]
 ) -> None:
@@ -57,11 +79,21 @@ def test_a_planted_bug_is_found_with_a_replayable_seed(
     assert f"--plant {plant}" in replay_command(found.config, {})
 
 
-def test_without_the_plant_the_same_runs_are_clean() -> None:
+def test_without_a_plant_the_base_runs_are_clean() -> None:
     for seed in range(3):
         outcome = simulate(SimConfig(seed=seed, **BASE), keep_trace=False)
         assert outcome.violations == (), outcome.violations
         assert outcome.committed >= 8 and outcome.node_rounds >= 4 * 8
+
+
+@pytest.mark.parametrize(("plant", "kind", "settings"), PLANTED, ids=[p[0] for p in PLANTED])
+def test_without_the_plant_the_same_runs_are_clean(
+    plant: str, kind: str, settings: dict[str, Any]
+) -> None:
+    for seed in range(3):
+        outcome = simulate(SimConfig(seed=seed, **{**BASE, **settings}), keep_trace=False)
+        assert outcome.violations == (), outcome.violations
+        assert outcome.committed >= 8
 
 
 def test_f1_a_lease_missing_from_one_listing_does_not_expire_it() -> None:
