@@ -23,7 +23,10 @@ import argparse
 import cProfile
 import pstats
 import sys
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # sim/ lives at the repo root
 
 from sim.sim_config import SimConfig
 from sim.sim_world import Outcome, simulate
@@ -124,16 +127,16 @@ def profile(nodes: int, rounds: int) -> None:
 
 
 PARTS = [
-    ("syncer: lease observation (LIST + a GET per changed lease)", "syncer.py", "_observe_leases"),
-    ("syncer: closing rounds (LIST snapshots/claims, outer step)", "syncer.py", "_round"),
-    ("learner: commit polls and merges handed over", "learner.py", "_poll"),
-    ("learner: uploads (encode, seal, create)", "learner.py", "_upload"),
+    ("syncer loop: its rule (leases, rounds, closing)", "syncer.py", "step"),
+    ("syncer loop: its executor (requests, outer step)", "syncer.py", "execute"),
+    ("learner loop: its rule (uploads, commit polls)", "polling.py", "step"),
+    ("learner loop: its executor (encode, requests, loads)", "learner.py", "execute"),
     ("exchange: record parsing (read_record)", "records.py", "read_record"),
-    ("memory mailbox: LIST (sorts every key)", "memory.py", "list"),
+    ("memory mailbox: LIST (sorts every key)", "_memory.py", "list"),
     ("simulator: invariant checks at each write", "sim_checks.py", "landed"),
     ("simulator: commit recomputation", "sim_checks.py", "_recompute"),
-    ("simulator: end-of-run audit", "audit.py", "audit"),
-    ("training side: inner steps + advance", "sim_world.py", "_train"),
+    ("simulator: end-of-run audit", "_audit.py", "audit"),
+    ("training side: Node.step", "node.py", "step"),
 ]
 
 

@@ -413,17 +413,19 @@ class Closing:
 @attrs.frozen(kw_only=True)
 class RoundState:
     """One round this node watches (it has a snapshot in it): its timers, the view last read
-    (``reporters``, ``claims``) and when (``read_at``, node's clock), the close this node is
-    making of it, if any, and whether it is committed. The view is read again a poll interval
-    after the last read, or at once when ``poked`` (a bell: this node's snapshot is out);
-    ``stale``: it must be read again before the rules decide on it (a close of this node's
-    ended without a commit); ``listing``: LISTs in flight."""
+    (``reporters``, ``claims``), the close this node is making of it, if any, and whether it
+    is committed. The view is read again at ``due`` (node's clock): a poll interval after the
+    last read, or sooner when a timer of the round runs out before it opens (the round opens
+    on a view read then, so its candidates agree on who closes it); at once when ``poked`` (a
+    bell: this node's snapshot is out). ``stale``: it must be read again before the rules
+    decide on it (a close of this node's ended without a commit); ``listing``: LISTs in
+    flight."""
 
     round: int
     watch: RoundWatch
     reporters: tuple[str, ...] | None = None
     claims: tuple[Claim, ...] = ()
-    read_at: float | None = None
+    due: float = -math.inf
     stale: bool = False
     poked: bool = True
     listing: int = 0
@@ -459,7 +461,7 @@ def step(state: RoundState, results: Sequence[Result], ctx: Context, *, now: flo
         return state, effects, None, f"round {state.round}: reading its view"
     if state.committed:
         return state, effects, None, f"round {state.round} is committed"
-    refresh = -math.inf if state.read_at is None else state.read_at + ctx.poll_interval
+    refresh = state.due
     if state.poked or now >= refresh:
         return _list(state, effects)
     if state.stale or state.reporters is None:
@@ -492,11 +494,11 @@ def step(state: RoundState, results: Sequence[Result], ctx: Context, *, now: flo
         return state, effects, refresh, f"round {r}: waits for this node's other close"
     if isinstance(decision, ClaimRound):
         return _claim(state, decision.attempt, ctx, now, effects, decision.reason)
-    until = (
-        refresh
-        if not isinstance(decision, Wait) or decision.until is None
-        else min(refresh, decision.until)
-    )
+    until = refresh
+    if isinstance(decision, Wait) and decision.until is not None:
+        until = min(refresh, decision.until)
+        if state.watch.open_since is None:
+            state = attrs.evolve(state, due=until)  # a timer: read the view as it runs out
     return state, effects, until, decision.reason
 
 
@@ -514,10 +516,12 @@ def _doing(state: RoundState) -> str:
 
 
 def _list(state: RoundState, effects: list[Effect]) -> Outcome:
+    """Read the round's view: its snapshots, and its claims once it may close. The snapshots
+    are read again while the round is open too: observers that opened it on different views
+    (one saw fewer reporters when its grace ran out) then agree within a poll on who closes
+    it, rather than each waiting a takeover timeout for a closer that waits on another."""
     r, opened = state.round, state.watch.open_since is not None
-    lists: list[Effect] = []
-    if not opened or state.reporters is None:
-        lists.append(ListSnapshots(round=r))
+    lists: list[Effect] = [ListSnapshots(round=r)]
     if opened:
         lists.append(ListClaims(round=r))
     state = attrs.evolve(state, poked=False, listing=len(lists))
@@ -543,11 +547,13 @@ def _fold(
         if ctx.members is not None:
             nodes = robust.members(nodes, ctx.members)
         listing = max(0, state.listing - 1)
-        state = attrs.evolve(state, reporters=nodes, listing=listing, stale=False, read_at=now)
+        due = now + ctx.poll_interval
+        state = attrs.evolve(state, reporters=nodes, listing=listing, stale=False, due=due)
         return state, []
     if isinstance(result, ClaimsRead) and state.closing is None:
         listing = max(0, state.listing - 1)
-        state = attrs.evolve(state, claims=result.claims, listing=listing, stale=False, read_at=now)
+        due = now + ctx.poll_interval
+        state = attrs.evolve(state, claims=result.claims, listing=listing, stale=False, due=due)
         return state, []
     if state.closing is None:
         return state, []

@@ -24,6 +24,7 @@ from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.codecs import Compression
 from gradientmail.core.effects import Leave, Stop
 from gradientmail.core.errors import ProtocolError
+from gradientmail.core.join import JoinState
 from gradientmail.core.robust import DEFAULT_OUTLIER_FACTOR
 from gradientmail.core.rules import RULES, Rules
 from gradientmail.core.signing import Keyring
@@ -149,7 +150,7 @@ class Node:
             )
         )
 
-    def _build(self, state: join.JoinState, base: list[Any]) -> None:
+    def _build(self, state: JoinState, base: list[Any]) -> None:
         manifest = state.manifest
         assert manifest is not None
         trained, polled, synced = join.started(state, process=self.process)
