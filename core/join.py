@@ -353,9 +353,7 @@ def _params(
     return _newest(state, settings)
 
 
-def started(
-    state: JoinState, *, process: str
-) -> tuple[LearnerState, PollState, SyncerState]:
+def started(state: JoinState, *, process: str) -> tuple[LearnerState, PollState, SyncerState]:
     """The first states of a joined node's training side, learner loop and syncer loop: each
     fragment holds its newest commit, the learner polls the next one, the syncer knows the
     commits read (and the peers they included)."""

@@ -222,9 +222,7 @@ class Node:
             ("syncer", self._hosted("syncer", lambda: syncer.run(self.clock))),
         ]
 
-    async def _hosted(
-        self, where: str, loop: Callable[[], Coroutine[Any, Any, None]]
-    ) -> None:
+    async def _hosted(self, where: str, loop: Callable[[], Coroutine[Any, Any, None]]) -> None:
         try:
             await loop()
         except Exception as exc:
