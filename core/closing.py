@@ -489,7 +489,8 @@ def step(state: RoundState, results: Sequence[Result], ctx: Context, *, now: flo
         lease_timeout=ctx.lease_timeout,
         takeover=ctx.takeover,
     )
-    state = attrs.evolve(state, watch=watch)
+    if watch != state.watch:
+        state = attrs.evolve(state, watch=watch)
     if isinstance(decision, ClaimRound) and ctx.busy:
         return state, effects, refresh, f"round {r}: waits for this node's other close"
     if isinstance(decision, ClaimRound):

@@ -117,14 +117,16 @@ def step(
         now=now,
         lease_every=settings.lease_every,
     )
-    state = attrs.evolve(state, keeper=keeper)
+    if keeper is not state.keeper:
+        state = attrs.evolve(state, keeper=keeper)
     effects += more
     state, more, until, reasons = _rounds(state, routed, now, settings)
     effects += more
     state, more = _collect(state, now, settings)
     effects += more
     keeper, more = leases.watch(state.keeper, now=now, lease_every=settings.lease_every)
-    state = attrs.evolve(state, keeper=keeper)
+    if keeper is not state.keeper:
+        state = attrs.evolve(state, keeper=keeper)
     effects += more
     if state.stopping and state.closing is None:
         final = Lease(
@@ -246,10 +248,9 @@ def _rounds(
     reasons: list[str] = []
     until = math.inf
     for s in state.rounds:
-        busy = any(k.closing is not None for k in kept)
-        s, more, wake, reason = closing.step(
-            s, routed.get(s.round, ()), attrs.evolve(context, busy=busy), now=now
-        )
+        if not context.busy and any(k.closing is not None for k in kept):
+            context = attrs.evolve(context, busy=True)
+        s, more, wake, reason = closing.step(s, routed.get(s.round, ()), context, now=now)
         effects += more
         if any(isinstance(e, Committed) for e in more):
             state = _learn(state, _committed(more), settings)
@@ -262,7 +263,9 @@ def _rounds(
         reasons.append(reason)
         if wake is not None:
             until = min(until, wake)
-    return attrs.evolve(state, rounds=tuple(kept)), effects, until, reasons
+    if tuple(kept) != state.rounds:  # identical members compare by identity: cheap
+        state = attrs.evolve(state, rounds=tuple(kept))
+    return state, effects, until, reasons
 
 
 def _committed(effects: list[Effect]) -> Commit:
