@@ -7,6 +7,7 @@ status, never a traceback; set ``GRADIENTMAIL_TRACEBACK=1`` to see the traceback
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import traceback
@@ -62,9 +63,29 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("url", help="the run's mailbox URL")
     _add_secret_argument(gc)
     gc.add_argument("--keep", type=int, default=2, help="rounds of each fragment to keep")
+    gc.add_argument(
+        "--horizon",
+        type=_seconds,
+        default=0.0,
+        metavar="SECONDS",
+        help="delete a round only this long after it became collectable, by the store's "
+        "modification times (nodes use 30 s; 0, the default, does not wait: a node that finds "
+        "a payload gone re-aligns on the newest commit)",
+    )
     gc.add_argument("--dry-run", action="store_true", help="list what would go, delete nothing")
     gc.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
+
+
+def _seconds(text: str) -> float:
+    """A duration in seconds: finite and not negative."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"seconds must be finite and >= 0, got {text!r}")
+    return value
 
 
 def _add_secret_argument(parser: argparse.ArgumentParser) -> None:
@@ -104,7 +125,14 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2) if args.json else _describe_status(report))
         return 0
     done = asyncio.run(
-        collect(mailbox, keep=args.keep, dry_run=args.dry_run, keyring=keyring, sources=sources)
+        collect(
+            mailbox,
+            keep=args.keep,
+            horizon=args.horizon,
+            dry_run=args.dry_run,
+            keyring=keyring,
+            sources=sources,
+        )
     )
     if args.json:
         print(json.dumps(done, indent=2))

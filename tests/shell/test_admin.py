@@ -83,8 +83,15 @@ def test_the_cli_reports_status_and_collects(tmp_path, capsys) -> None:  # type:
     assert [n["state"] for n in report["nodes"]] == ["released"]
     assert main(["status", url, "--watch", "0"]) == 0
     assert "fragment 1: newest round" in capsys.readouterr().out
+    # The run just ended: with an hour's horizon nothing is old enough yet, and without one
+    # the same rule deletes.
+    assert main(["gc", url, "--keep", "1", "--horizon", "3600", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["deleted"] == []
     assert main(["gc", url, "--keep", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["deleted"]
+    with pytest.raises(SystemExit):
+        main(["gc", url, "--horizon", "-1"])
+    assert "seconds must be finite and >= 0, got '-1'" in capsys.readouterr().err
     assert main(["status", str(tmp_path / "nothing-here")]) == 1
     assert capsys.readouterr().err.startswith("gradientmail: error: ")
 
