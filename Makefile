@@ -3,7 +3,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= torch,mlx,s3,zstd,demo,dev
+EXTRAS ?= torch,mlx,s3,zstd,demo,bench,dev
 PYTEST_ARGS ?=
 
 .PHONY: demo test venv install lint typecheck clean

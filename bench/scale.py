@@ -1,0 +1,341 @@
+"""A Session around a real model size: Hugging Face GPT-2 (124M or 355M parameters, random
+init, CPU), the same loop with and without a Session, side by side in one run.
+
+Each loop runs in its own process (so peak RSS is the loop's own): ``plain`` (the training
+loop alone) and ``session`` (the same loop, ``Session.step`` after every optimizer step, on a
+directory mailbox). With ``--nodes 3`` three plain processes run at once, then three Session
+processes of one run at once (each node's figures against a plain process that shared the
+machine the same way). Every child trains batches of 1 x 64 byte-level tokens from the Python
+standard library's source, AdamW, seeded.
+
+It prints, per loop and as ratios against the plain loop:
+
+- steps/s over the measured steps (after a warm-up) and the Session's ratio to the plain loop;
+- the longest ``Session.step`` call (s) and how many calls took over 100 ms;
+- peak RSS (GiB), and the Session's extra peak RSS in units of the model's F32 bytes;
+- publish-to-commit latency per round (s, from this node's ``Published`` to the ``Committed``
+  or ``Merged`` of the same round) against the time to write the same bytes once to the same
+  directory (a temporary file, fsync, rename: what a durable create does);
+- bytes per parameter on the wire: a snapshot's stored bytes per parameter of its fragment,
+  and everything the node wrote per parameter of the model per round;
+- ``close()`` (s).
+
+    python bench/scale.py                          # 124M, lone node, H=100, K=4, overlap 2
+    python bench/scale.py --model 355M --steps 60  # memory at 355M
+    python bench/scale.py --nodes 3 --steps 150    # a node of a 3-process run
+    python bench/scale.py --quantization F8_E4M3   # a quantized delta
+
+Needs the ``bench`` extra (``pip install -e '.[torch,bench]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+SIZES = {
+    "124M": {"vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12},
+    "355M": {"vocab_size": 50257, "n_embd": 1024, "n_layer": 24, "n_head": 16},
+    "tiny": {"vocab_size": 256, "n_embd": 32, "n_layer": 2, "n_head": 2},  # for the test
+}
+CONTEXT = 64
+GiB = 1024**3
+
+
+def corpus(limit: int = 8 * 1024 * 1024) -> bytes:
+    """Bytes of the standard library's source, in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = bytearray()
+    for path in sorted(root.glob("*.py")):
+        out += path.read_bytes()
+        if len(out) >= limit:
+            break
+    return bytes(out)
+
+
+def windows(data: bytes, seed: int) -> Iterator[Any]:
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    while True:
+        start = int(torch.randint(0, len(tokens) - CONTEXT, (1,), generator=generator))
+        yield tokens[start : start + CONTEXT].unsqueeze(0)
+
+
+def build(size: str, seed: int) -> Any:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(n_positions=1024, **SIZES[size])
+    return GPT2LMHeadModel(config)
+
+
+def rss_now() -> int:
+    """Resident bytes now (Linux)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    """One loop in this process: its figures as a dict."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model = build(args.model, seed=0)
+    params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = windows(corpus(), seed=args.rank)
+
+    def train_step() -> None:
+        batch = next(data)
+        loss = model(batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    train_step()  # the optimizer's state exists from here on, as in any real loop
+    base_rss = rss_now()
+    result: dict[str, Any] = {"loop": args.loop, "rank": args.rank, "params": params}
+    if args.loop == "plain":
+        for _ in range(args.warmup):
+            train_step()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            train_step()
+        result["seconds"] = time.perf_counter() - start
+    else:
+        result.update(_session_loop(args, model, train_step))
+    result["steps"] = args.steps
+    result["base_rss"] = base_rss
+    result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return result
+
+
+def _session_loop(args: argparse.Namespace, model: Any, train_step: Any) -> dict[str, Any]:
+    from gradientmail import Committed, DiLoCo, Merged, Published, Session, mailbox_from_url
+
+    published: dict[int, tuple[float, int, int]] = {}
+    closed: dict[int, float] = {}
+    lock = threading.Lock()
+
+    def on_event(event: object) -> None:
+        now = time.perf_counter()
+        with lock:
+            if isinstance(event, Published):
+                published[event.round] = (now, event.bytes, event.fragment)
+            elif isinstance(event, Committed | Merged):
+                closed.setdefault(event.round, now)
+
+    algorithm = DiLoCo(
+        inner_steps=args.inner_steps,
+        fragments=args.fragments,
+        overlap_steps=args.overlap,
+        quantization=None if args.quantization == "F32" else args.quantization,
+    )
+    mailbox = mailbox_from_url(args.mailbox)
+    session = Session(
+        model,
+        algorithm=algorithm,
+        mailbox=mailbox,
+        learner_id=f"node{args.rank}",
+        lease_every=10.0,
+        lease_timeout=60.0,
+        callbacks=(on_event,),
+    )
+    longest, over, calls = 0.0, 0, []
+    start = 0.0
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            start = time.perf_counter()
+        train_step()
+        t = time.perf_counter()
+        session.step(samples=CONTEXT)
+        spent = time.perf_counter() - t
+        calls.append(spent)
+        if i >= args.warmup:
+            longest = max(longest, spent)
+            over += spent > 0.1
+    seconds = time.perf_counter() - start
+    t = time.perf_counter()
+    session.close()
+    close_seconds = time.perf_counter() - t
+    stats = mailbox.stats.snapshot() if hasattr(mailbox, "stats") else {}
+    latencies = [closed[r] - at for r, (at, _, _) in sorted(published.items()) if r in closed]
+    sizes = [size for _, size, _ in published.values()]
+    by_fragment = {fragment: size for _, size, fragment in published.values()}
+    write = _write_time(args.mailbox, max(sizes) if sizes else 0)
+    return {
+        "seconds": seconds,
+        "step_max": longest,
+        "steps_over_100ms": over,
+        "close": close_seconds,
+        "latencies": latencies,
+        "snapshot_bytes": sizes,
+        # a snapshot of every fragment once: the bytes one full round of deltas takes
+        "model_snapshot_bytes": sum(by_fragment.values())
+        if len(by_fragment) == args.fragments
+        else None,
+        "write_seconds": write,
+        "bytes_out": stats.get("bytes_out", 0),
+        "rounds_published": len(published),
+    }
+
+
+def _write_time(url: str, size: int) -> float:
+    """Seconds to write ``size`` bytes once to the directory behind ``url``: a temporary file,
+    fsync, rename (a durable create), best of three."""
+    if size == 0:
+        return float("nan")
+    root = url.removeprefix("file://")
+    data = os.urandom(size)
+    best = float("inf")
+    for i in range(3):
+        path = os.path.join(root, f".scale-write-{os.getpid()}-{i}")
+        start = time.perf_counter()
+        with open(path + ".tmp", "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(path + ".tmp", path)
+        best = min(best, time.perf_counter() - start)
+        os.unlink(path)
+    return best
+
+
+def spawn(args: argparse.Namespace, loop: str, rank: int, mailbox: str) -> subprocess.Popen[str]:
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        loop,
+        "--rank",
+        str(rank),
+        "--mailbox",
+        mailbox,
+        "--model",
+        args.model,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--threads",
+        str(args.threads),
+        "--inner-steps",
+        str(args.inner_steps),
+        "--fragments",
+        str(args.fragments),
+        "--overlap",
+        str(args.overlap),
+        "--quantization",
+        args.quantization,
+    ]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+
+
+def run_loops(args: argparse.Namespace, loop: str) -> list[dict[str, Any]]:
+    mailbox = "file://" + tempfile.mkdtemp(prefix=f"gm-scale-{loop}-")
+    processes = [spawn(args, loop, rank, mailbox) for rank in range(args.nodes)]
+    results = []
+    for process in processes:
+        out, _ = process.communicate()
+        if process.returncode != 0:
+            raise SystemExit(f"the {loop} loop failed (exit {process.returncode})")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def report(
+    args: argparse.Namespace, plain: list[dict[str, Any]], session: list[dict[str, Any]]
+) -> None:
+    params = plain[0]["params"]
+    f32 = 4 * params
+    print(
+        f"\nGPT-2 {args.model} ({params:,} parameters, {f32 / GiB:.2f} GiB in F32), "
+        f"{args.nodes} node(s), {args.threads} torch threads, H={args.inner_steps}, "
+        f"K={args.fragments}, overlap {args.overlap}, {args.quantization}, "
+        f"{args.steps} measured steps after {args.warmup}"
+    )
+    print(
+        "| loop | rank | steps/s | ratio | longest step() | steps > 100 ms | peak RSS GiB "
+        "| extra / F32 bytes | close s |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    plain_rate = statistics.mean(p["steps"] / p["seconds"] for p in plain)
+    plain_peak = statistics.mean(p["peak_rss"] for p in plain)
+    for p in plain:
+        print(
+            f"| plain | {p['rank']} | {p['steps'] / p['seconds']:.3f} | 1.000 | - | - | "
+            f"{p['peak_rss'] / GiB:.2f} | - | - |"
+        )
+    for s in session:
+        rate = s["steps"] / s["seconds"]
+        print(
+            f"| session | {s['rank']} | {rate:.3f} | {rate / plain_rate:.3f} | "
+            f"{s['step_max'] * 1000:.0f} ms | {s['steps_over_100ms']} | "
+            f"{s['peak_rss'] / GiB:.2f} | {(s['peak_rss'] - plain_peak) / f32:.2f}x | "
+            f"{s['close']:.1f} |"
+        )
+    for s in session:
+        lat = s["latencies"]
+        sizes = s["snapshot_bytes"]
+        if lat:
+            print(
+                f"node{s['rank']}: publish to commit {min(lat):.2f}-{max(lat):.2f} s "
+                f"(median {statistics.median(lat):.2f} s over {len(lat)} rounds); writing "
+                f"{max(sizes) / 2**20:.0f} MiB once takes {s['write_seconds']:.2f} s: "
+                f"median {statistics.median(lat) / s['write_seconds']:.1f}x"
+            )
+        if s["model_snapshot_bytes"]:
+            # every fragment once is one model's worth of snapshots
+            models = s["rounds_published"] / args.fragments
+            print(
+                f"node{s['rank']}: snapshots {s['model_snapshot_bytes'] / params:.3f} bytes per "
+                f"parameter; everything it wrote {s['bytes_out'] / models / params:.3f} bytes "
+                f"per parameter per H steps"
+            )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=sorted(SIZES), default="124M")
+    parser.add_argument("--steps", type=int, default=200, help="measured steps per loop")
+    parser.add_argument("--warmup", type=int, default=5, help="steps before measuring")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per process")
+    parser.add_argument("--nodes", type=int, default=1, help="processes of each loop at once")
+    parser.add_argument("--inner-steps", type=int, default=100, help="H")
+    parser.add_argument("--fragments", type=int, default=4, help="K")
+    parser.add_argument("--overlap", type=int, default=2, help="overlap steps (tau)")
+    parser.add_argument(
+        "--quantization", choices=("F32", "F8_E4M3", "F4"), default="F32", help="the delta's format"
+    )
+    parser.add_argument("--child", choices=("plain", "session"), help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--mailbox", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        args.loop = args.child
+        print(json.dumps(child(args)), flush=True)
+        return 0
+    plain = run_loops(args, "plain")
+    session = run_loops(args, "session")
+    report(args, plain, session)
+    print(json.dumps({"plain": plain, "session": session}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
