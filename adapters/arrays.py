@@ -168,6 +168,7 @@ class ArrayBackend(ArrayKernels):
         lr: float,
         beta: float,
         nesterov: bool = True,
+        reuse: bool = False,
     ) -> tuple[Tensors, Tensors]:
         formats.check_outer(lr, beta)
         names = matching("outer_step", master, gradient, momentum)
@@ -177,9 +178,16 @@ class ArrayBackend(ArrayKernels):
             g = self._f32(gradient[name])
             if momentum is None:
                 m = self._copy(g)
+            elif reuse:
+                m = self._times_plus_into(self._f32(momentum[name]), beta, g)
             else:
                 m = self._times_plus(self._f32(momentum[name]), beta, g)
-            update = self._plus_times(g, m, beta) if nesterov else m
+            if not nesterov:
+                update = m
+            elif reuse:
+                update = self._plus_times_into(g, m, beta)
+            else:
+                update = self._plus_times(g, m, beta)
             new_master[name] = self._plus_times(self._f32(master[name]), update, -lr)
             new_momentum[name] = m
         return self._evaluated(new_master), self._evaluated(new_momentum)
@@ -288,6 +296,14 @@ class ArrayBackend(ArrayKernels):
     @abstractmethod
     def _plus_times(self, a: Array, b: Array, s: float) -> Array:
         """``a + b * s``, as the framework's own SGD computes it."""
+
+    def _times_plus_into(self, a: Array, s: float, b: Array) -> Array:
+        """``_times_plus``, computed into ``a`` where the framework can (``a`` is spent)."""
+        return self._times_plus(a, s, b)
+
+    def _plus_times_into(self, a: Array, b: Array, s: float) -> Array:
+        """``_plus_times``, computed into ``a`` where the framework can (``a`` is spent)."""
+        return self._plus_times(a, b, s)
 
     @abstractmethod
     def _l2(self, a: Array) -> float:

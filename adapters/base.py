@@ -111,10 +111,13 @@ class Backend(Protocol):
         lr: float,
         beta: float,
         nesterov: bool = True,
+        reuse: bool = False,
     ) -> tuple[Tensors, Tensors]:
         """One SGD step with (Nesterov) momentum, all F32, as torch.optim.SGD computes it:
         ``m = beta * m + g`` (``m = g`` when ``momentum`` is None); ``u = g + beta * m`` if
-        Nesterov else ``m``; returns ``(master - lr * u, m)``."""
+        Nesterov else ``m``; returns ``(master - lr * u, m)``. With ``reuse`` the backend may
+        compute into ``momentum`` and ``gradient`` (F32 tensors no one else holds), which saves
+        two temporaries the size of the fragment; ``master`` is never written."""
         ...
 
     def cast(self, tensors: Tensors, schema: Schema) -> Tensors:

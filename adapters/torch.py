@@ -197,6 +197,12 @@ class TorchBackend(ArrayBackend):
     def _plus_times(self, a: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
         return a.add(b, alpha=s)
 
+    def _times_plus_into(self, a: torch.Tensor, s: float, b: torch.Tensor) -> torch.Tensor:
+        return a.mul_(s).add_(b)
+
+    def _plus_times_into(self, a: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
+        return a.add_(b, alpha=s)
+
     def _at_least(self, t: torch.Tensor, low: int) -> torch.Tensor:
         return t.clamp(min=low)
 

@@ -227,6 +227,7 @@ class FloatBackend:
         lr: float,
         beta: float,
         nesterov: bool = True,
+        reuse: bool = False,  # always computes into fresh arrays
     ) -> tuple[Tensors, Tensors]:
         if not (math.isfinite(lr) and lr > 0 and math.isfinite(beta) and 0 <= beta < 1):
             raise ValueError(f"outer step needs lr > 0 and 0 <= beta < 1, got {lr}, {beta}")

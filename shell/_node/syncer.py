@@ -232,6 +232,12 @@ class SyncerLoop:
         gradient = self._backend.weighted_sum(
             [(w, work.deltas[n]) for w, n in zip(step.weights, step.nodes, strict=True)]
         )
+        work.deltas.clear()
+        # The step computes into the momentum and the gradient (fresh from the weighted sum),
+        # so the kept copy of this fragment's state is spent: a lost commit reads it again.
+        kept = self._kept.get(k)
+        if kept is not None and kept.momentum is work.momentum:
+            del self._kept[k]
         master, momentum = self._backend.outer_step(
             work.master,
             work.momentum,
@@ -239,8 +245,9 @@ class SyncerLoop:
             lr=algorithm.outer_lr,
             beta=algorithm.outer_momentum,
             nesterov=algorithm.nesterov,
+            reuse=True,
         )
-        work.deltas.clear()
+        del gradient
         work.master, work.momentum = master, momentum
         work.params = self._backend.cast(master, schema)
         nonce = self._nonces()

@@ -322,6 +322,35 @@ def test_outer_steps_follow_torch_sgd(fw: Any, nesterov: bool) -> None:
     np.testing.assert_allclose(fw.numpy(momentum["w"]), buffer, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_an_outer_step_that_reuses_its_inputs_computes_the_same_and_spares_the_master(
+    fw: Any, nesterov: bool
+) -> None:
+    rng = np.random.default_rng(8)
+    start = rng.standard_normal((7, 9)).astype(np.float32)
+    master = {"w": fw.tensor(start)}
+    plain_momentum: Any = None
+    reused_momentum: Any = None
+    for _ in range(4):
+        g = rng.standard_normal((7, 9)).astype(np.float32)
+        expected, plain_momentum = fw.backend.outer_step(
+            master, plain_momentum, {"w": fw.tensor(g)}, lr=0.7, beta=0.9, nesterov=nesterov
+        )
+        got, reused_momentum = fw.backend.outer_step(
+            master,
+            reused_momentum,
+            {"w": fw.tensor(g)},
+            lr=0.7,
+            beta=0.9,
+            nesterov=nesterov,
+            reuse=True,
+        )
+        assert np.array_equal(fw.numpy(got["w"]), fw.numpy(expected["w"]))
+        assert np.array_equal(fw.numpy(reused_momentum["w"]), fw.numpy(plain_momentum["w"]))
+        assert np.array_equal(fw.numpy(master["w"]), start)  # never written
+        master, start = expected, fw.numpy(expected["w"]).copy()
+
+
 def test_outer_step_rejects_bad_settings(fw: Any) -> None:
     t = {"w": fw.tensor([1.0])}
     with pytest.raises(ValueError, match="beta"):
