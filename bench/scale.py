@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -247,15 +248,24 @@ def spawn(args: argparse.Namespace, loop: str, rank: int, mailbox: str) -> subpr
 
 
 def run_loops(args: argparse.Namespace, loop: str) -> list[dict[str, Any]]:
-    mailbox = "file://" + tempfile.mkdtemp(prefix=f"gm-scale-{loop}-")
-    processes = [spawn(args, loop, rank, mailbox) for rank in range(args.nodes)]
-    results = []
-    for process in processes:
-        out, _ = process.communicate()
-        if process.returncode != 0:
-            raise SystemExit(f"the {loop} loop failed (exit {process.returncode})")
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return results
+    root = tempfile.mkdtemp(prefix=f"gm-scale-{loop}-")
+    processes: list[subprocess.Popen[str]] = []
+    try:  # a run leaves gigabytes of payloads behind
+        for rank in range(args.nodes):
+            processes.append(spawn(args, loop, rank, "file://" + root))
+        results = []
+        for process in processes:
+            out, _ = process.communicate()
+            if process.returncode != 0:
+                raise SystemExit(f"the {loop} loop failed (exit {process.returncode})")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        return results
+    finally:
+        for process in processes:  # the others of a failed run: ours to end
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def report(
