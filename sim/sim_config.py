@@ -19,13 +19,26 @@ import attrs
 from gradientmail.core.algorithm import DiLoCo
 from specs.bugs import BUGS
 
-__all__ = ["LatencyKind", "ModelKind", "Plant", "SimConfig", "swarm"]
+__all__ = ["FAULT_RATES", "LatencyKind", "ModelKind", "Plant", "SimConfig", "swarm"]
 
 LatencyKind = Literal["none", "uniform", "exponential", "pareto"]
 ModelKind = Literal["float", "torch"]
 Plant = str
 PLANTS: tuple[Plant, ...] = tuple(sorted(BUGS))
 """The planted bugs (specs/bugs.py: the registry the explorer and the machines share)."""
+
+
+FAULT_RATES = (
+    "fail_before",
+    "fail_after",
+    "conflict",
+    "stale_list",
+    "crash_rate",
+    "crash_on_write",
+    "pause_rate",
+    "pause_on_write",
+)
+"""The fields that inject a fault: a run with all of them 0 has none."""
 
 
 @attrs.frozen(kw_only=True)
@@ -136,19 +149,7 @@ class SimConfig:
 
     @property
     def faulty(self) -> bool:
-        return any(
-            getattr(self, name) > 0
-            for name in (
-                "fail_before",
-                "fail_after",
-                "conflict",
-                "stale_list",
-                "crash_rate",
-                "crash_on_write",
-                "pause_rate",
-                "pause_on_write",
-            )
-        )
+        return any(getattr(self, name) > 0 for name in FAULT_RATES)
 
     def describe(self) -> str:
         """Every field that differs from the defaults, as ``key=value`` (what a seed chose)."""
@@ -245,16 +246,7 @@ def swarm(seed: int, *, nodes: int, rounds: int, **fixed: Any) -> SimConfig:
         "leavers": _pick(rng, (0.0, 0.1, 0.25)),
     }
     if rng.random() < 0.1:  # now and then a run with no fault at all, as a baseline
-        for name in (
-            "fail_before",
-            "fail_after",
-            "conflict",
-            "stale_list",
-            "crash_rate",
-            "crash_on_write",
-            "pause_rate",
-            "pause_on_write",
-        ):
+        for name in FAULT_RATES:
             drawn[name] = 0.0
     # Drawn last, so every earlier draw of a seed is what it always was.
     drawn["gc_horizon"] = _pick(rng, (0.0, 0.0, lease_timeout))

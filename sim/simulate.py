@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from sim.sim_config import PLANTS, SimConfig, swarm
+from sim.sim_config import FAULT_RATES, PLANTS, SimConfig, swarm
 from sim.sim_world import Outcome, simulate
 
 __all__ = ["Summary", "main", "replay_command", "run_seed", "shrink"]
@@ -35,14 +35,7 @@ __all__ = ["Summary", "main", "replay_command", "run_seed", "shrink"]
 # $0.0004; DELETE free. Cost units below are GETs: a LIST costs 12.5 GETs.
 _COST = {"get": 1.0, "list": 12.5, "put": 12.5, "create": 12.5, "delete": 0.0}
 _FAULTS = (
-    "fail_before",
-    "fail_after",
-    "conflict",
-    "stale_list",
-    "crash_rate",
-    "crash_on_write",
-    "pause_rate",
-    "pause_on_write",
+    *FAULT_RATES,
     "late_joiners",
     "leavers",
     "speed_spread",

@@ -13,12 +13,12 @@ import logging
 import math
 import threading
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from gradientmail._clock import Bell, Clock
 from gradientmail.core.effects import Done, Effect, Fail, Result, Wait
 
-__all__ = ["Inbox", "drive"]
+__all__ = ["Executor", "Inbox", "Loop", "drive"]
 
 logger = logging.getLogger("gradientmail.rules")
 
@@ -80,3 +80,40 @@ async def drive(
                     results.append(result)
         if not results:
             await inbox.bell.wait(None if until == math.inf else until - clock.now())
+
+
+class Executor:
+    """Carries out effects: ``_handlers`` maps each effect type it takes to a method."""
+
+    _handlers: dict[type, Callable[[Any], Awaitable[Result | None]]]
+
+    async def execute(self, effect: Effect) -> Result | None:
+        return await self._handlers[type(effect)](effect)
+
+
+class Loop(Executor, Generic[S]):
+    """One of a node's long-running loops: ``rule`` driven from ``state`` on its own inbox,
+    the state kept after every call for readers on other threads."""
+
+    name: str
+    state: S
+    inbox: Inbox
+    settings: Any
+
+    def rule(self, view: Sequence[Result], state: S, *, now: float, settings: Any) -> Any:
+        raise NotImplementedError
+
+    async def run(self, clock: Clock) -> None:
+        await drive(
+            self.name,
+            self.rule,
+            self.state,
+            self.execute,
+            clock=clock,
+            inbox=self.inbox,
+            settings=self.settings,
+            keep=self._keep,
+        )
+
+    def _keep(self, state: S) -> None:
+        self.state = state

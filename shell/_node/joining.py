@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gradientmail._clock import Clock
-from gradientmail._node.drive import Inbox, drive
+from gradientmail._node.drive import Executor, Inbox, drive
 from gradientmail._node.exchange import Exchange, new_nonce
 from gradientmail._node.learner import UNTRUSTED, read_commit, read_params
 from gradientmail.adapters.base import Adapter
@@ -16,7 +16,6 @@ from gradientmail.core.codecs import Compression
 from gradientmail.core.effects import (
     CreateManifest,
     Delete,
-    Effect,
     HeadRead,
     InitWritten,
     LeaseRead,
@@ -37,7 +36,7 @@ from gradientmail.core.tensors import TensorBytes
 __all__ = ["Joiner", "newest", "read_manifest", "resign_manifest"]
 
 
-class Joiner:
+class Joiner(Executor):
     """Carries out a join: reads and writes for ``core.join.step``. ``adapter`` gives the
     initial parameters of a run this node creates; ``loaded`` holds each fragment's newest
     parameters read, by fragment."""
@@ -83,9 +82,6 @@ class Joiner:
 
     def _keep(self, state: join.JoinState) -> None:
         self._manifest = state.manifest
-
-    async def execute(self, effect: Effect) -> Result | None:
-        return await self._handlers[type(effect)](effect)
 
     async def _read_manifest(self, read: ReadManifest) -> Result:
         try:

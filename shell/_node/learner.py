@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from gradientmail._clock import Clock
 from gradientmail._events import Callback, Published, Rejected
-from gradientmail._node.drive import Inbox, drive
+from gradientmail._node.drive import Inbox, Loop
 from gradientmail._node.exchange import Exchange
 from gradientmail._node.handoff import Handoff, Handover, Job, OwnSnapshot, Ready
 from gradientmail._node.payloads import read_fragment
@@ -23,7 +22,6 @@ from gradientmail.core.codecs import Compression, compress_parts
 from gradientmail.core.effects import (
     CommitRead,
     Deliver,
-    Effect,
     HeadRead,
     Missed,
     ParamsRead,
@@ -72,7 +70,10 @@ async def read_params(
     return ParamsRead(fragment=k, commit=commit, present=True), found
 
 
-class LearnerLoop:
+class LearnerLoop(Loop[polling.PollState]):
+    """Uploads captures and fetches commits until stopped (``Stop`` in the inbox): the
+    executor of ``core.polling.step``."""
+
     def __init__(
         self,
         *,
@@ -116,24 +117,8 @@ class LearnerLoop:
             Reject: self._reject,
         }
 
-    async def run(self, clock: Clock) -> None:
-        """Upload captures and fetch commits until stopped (``Stop`` in the inbox)."""
-        await drive(
-            "learner",
-            polling.step,
-            self.state,
-            self.execute,
-            clock=clock,
-            inbox=self.inbox,
-            settings=self.settings,
-            keep=self._keep,
-        )
-
-    def _keep(self, state: polling.PollState) -> None:
-        self.state = state
-
-    async def execute(self, effect: Effect) -> Result | None:
-        return await self._handlers[type(effect)](effect)
+    name = "learner"
+    rule = staticmethod(polling.step)
 
     async def _upload(self, upload: Upload) -> Result | None:
         job, drop = self._handoff.take_job(upload.round)

@@ -16,7 +16,6 @@ from typing import Any
 
 import attrs
 
-from gradientmail._clock import Clock
 from gradientmail._events import (
     Callback,
     Claimed,
@@ -26,7 +25,7 @@ from gradientmail._events import (
     LeaseExpired,
     TookOver,
 )
-from gradientmail._node.drive import Inbox, drive
+from gradientmail._node.drive import Inbox, Loop
 from gradientmail._node.exchange import Exchange
 from gradientmail._node.handoff import Handover
 from gradientmail._node.learner import UNTRUSTED, read_commit
@@ -63,7 +62,10 @@ class _Kept:
     size: int  # bytes: both in F32
 
 
-class SyncerLoop:
+class SyncerLoop(Loop[syncer.SyncerState]):
+    """Keeps the lease, watches the rounds and closes them until stopped: the executor of
+    ``core.syncer.step``."""
+
     def __init__(
         self,
         *,
@@ -119,24 +121,8 @@ class SyncerLoop:
             fx.Rejected: self._reject,
         }
 
-    async def run(self, clock: Clock) -> None:
-        """Keep the lease, watch the rounds and close them until stopped."""
-        await drive(
-            "syncer",
-            syncer.step,
-            self.state,
-            self.execute,
-            clock=clock,
-            inbox=self.inbox,
-            settings=self.settings,
-            keep=self._keep,
-        )
-
-    def _keep(self, state: syncer.SyncerState) -> None:
-        self.state = state
-
-    async def execute(self, effect: fx.Effect) -> fx.Result | None:
-        return await self._handlers[type(effect)](effect)
+    name = "syncer"
+    rule = staticmethod(syncer.step)
 
     def _work_of(self, r: int) -> _Workspace:
         return self._work.setdefault(r, _Workspace())
