@@ -21,14 +21,17 @@ The close (``Closing``), one step per result:
 
 1. create ``claims/<a>``; when the key holds another object, read it: a valid claim is another
    closer's (stop), garbage or a forgery only spares duplicate work, so the close goes on;
-2. list the round's snapshots; skip those larger than a genuine snapshot can be, read the rest;
-3. include the snapshots whose record names their key's node and round and whose base is the
-   fragment's previous commit (``include``); compute norms only where a rule reads them, and
-   exclude outliers (``robust``); nothing left means no commit;
+2. list the round's snapshots; skip those larger than a genuine snapshot can be, and read the
+   rest one at a time, in node order: a snapshot whose record names its key's node and round
+   and whose base is the fragment's previous commit (``include``) is decoded and added to the
+   round's F32 sum with its weight (``outer_sum``), and dropped, so a close holds one delta
+   whatever the number of snapshots; norms are measured only where a rule reads them;
+3. exclude outliers and clip (``robust``). When that changes a weight, the sum is taken again
+   over the snapshots that stay, with their final weights (a second pass of reads, which only
+   a round with an outlier or a clipped delta pays); nothing left means no commit;
 4. load the outer state the step starts from: the previous commit's (its record read first
    when this node does not know it), or the initial parameters for a fragment's first round;
-5. weigh the deltas (``outer_weights``: samples, normalized to H steps, clipped), take the
-   outer step, write ``params`` and ``state``;
+5. take the outer step from the scaled sum, write ``params`` and ``state``;
 6. create the commit record, last: the round commits exactly once. If it is ours, hand it to
    the learner, update the ``heads/`` hint at every ``HEAD_EVERY``-th commit, and schedule the
    collection of the fragment's round ``keep`` rounds back (``gc``); if another attempt won,
@@ -51,6 +54,8 @@ from gradientmail.core import keys, robust
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.chain import previous_round
 from gradientmail.core.effects import (
+    Accumulate,
+    Accumulated,
     BaseRead,
     Claimed,
     ClaimRead,
@@ -67,8 +72,6 @@ from gradientmail.core.effects import (
     Forget,
     ListClaims,
     ListSnapshots,
-    Norms,
-    NormsRead,
     OuterStep,
     PutHead,
     ReadClaim,
@@ -103,6 +106,7 @@ __all__ = [
     "decide",
     "designated",
     "include",
+    "outer_sum",
     "outer_weights",
     "rotation_seed",
     "step",
@@ -340,19 +344,43 @@ def outer_weights(
 
     With ``algorithm.clip`` set, each weight also carries its delta's clip factor
     (``robust.clip_scales``; ``norms`` maps each included node to its delta's L2 norm and is
-    then required), so the backend's weighted sum needs nothing more."""
+    then required). The closer computes the same gradient as ``outer_sum`` states it."""
+    weights, scale = outer_sum(algorithm, included, norms)
+    return [w * scale for w in weights]
+
+
+def outer_sum(
+    algorithm: DiLoCo,
+    included: Sequence[Included],
+    norms: Mapping[str, float] | None = None,
+) -> tuple[list[float], float]:
+    """How a closer computes the outer gradient, in F32: ``scale * sum(w_i * delta_i)``, the
+    products and sums rounded in ``included``'s order (a backend's ``weighted_sum``).
+
+    ``w_i = s_i * H / steps_i / s_0`` (times the clip factor when ``algorithm.clip`` is set)
+    and ``scale = s_0 / sum(s)``: ``outer_weights`` factored so that a closer can add each
+    delta to the sum as it reads it, before it knows the other snapshots' samples (only the
+    first one's, ``s_0``). Everyone who recomputes a commit (the audit, the simulator) takes
+    these numbers."""
     total = sum(i.samples for i in included)
     if total <= 0:
         raise ValueError("a commit needs at least one snapshot with samples")
-    weights = [i.samples * algorithm.inner_steps / i.steps / total for i in included]
+    first = included[0].samples
+    weights = [_sum_weight(algorithm, i.samples, i.steps, first) for i in included]
+    scale = first / total
     if algorithm.clip is None:
-        return weights
+        return weights, scale
     if norms is None:
-        raise ValueError("algorithm.clip is set: outer_weights needs the deltas' norms")
+        raise ValueError("algorithm.clip is set: outer_sum needs the deltas' norms")
     scales = robust.clip_scales(
         included, norms, inner_steps=algorithm.inner_steps, clip=algorithm.clip
     )
-    return [w * scales[i.node] for w, i in zip(weights, included, strict=True)]
+    return [w * scales[i.node] for w, i in zip(weights, included, strict=True)], scale
+
+
+def _sum_weight(algorithm: DiLoCo, samples: int, steps: int, first: int) -> float:
+    """A delta's weight in the closer's sum before the clip (``outer_sum``)."""
+    return samples * algorithm.inner_steps / steps / first
 
 
 def writes_head(algorithm: DiLoCo, committed: int) -> bool:
@@ -389,24 +417,27 @@ class Context:
         return self.manifest.algorithm
 
 
-Phase = Literal[
-    "claim", "check", "list", "read", "norms", "base", "load", "write", "commit", "lost"
-]
+Phase = Literal["claim", "check", "list", "read", "sum", "base", "load", "write", "commit", "lost"]
 
 
 @attrs.frozen(kw_only=True)
 class Closing:
     """A close in progress: its attempt, the claim's nonce, when it began (node's clock), the
-    step it waits on, and what it has gathered."""
+    step it waits on, and what it has gathered. ``reading``: the snapshots still to read and
+    sum, in order, the first one in hand; ``waiting``: its record, once read; ``chosen``: the
+    snapshots in the sum; ``measure``: whether their norms are measured; ``final``: on the
+    second pass, the snapshots that stay after outliers and the clip."""
 
     attempt: int
     nonce: str
     started: float
     phase: Phase
-    reading: frozenset[str] = frozenset()
-    read: tuple[tuple[str, Snapshot], ...] = ()
+    reading: tuple[str, ...] = ()
+    waiting: Snapshot | None = None
     chosen: tuple[Included, ...] = ()
+    measure: bool = False
     norms: tuple[tuple[str, float], ...] = ()
+    final: tuple[Included, ...] | None = None
     commit: Commit | None = None
 
 
@@ -579,8 +610,8 @@ def _advance(
         return _listed(state, closing, result, ctx)
     if closing.phase == "read" and isinstance(result, SnapshotRead):
         return _snapshot(state, closing, result, ctx)
-    if closing.phase == "norms" and isinstance(result, NormsRead):
-        return _outliers(state, closing, dict(result.norms), ctx)
+    if closing.phase == "sum" and isinstance(result, Accumulated):
+        return _accumulated(state, closing, result, ctx)
     if closing.phase == "base" and isinstance(result, CommitRead):
         return _base_read(state, closing, result, ctx)
     if closing.phase == "load" and isinstance(result, BaseRead):
@@ -623,61 +654,124 @@ def _listed(
             effects.append(Excluded(round=r, node=node, reason=too_big))
         else:
             reading.append(node)
-            effects.append(ReadSnapshot(round=r, node=node))
-    state = _set(state, closing, phase="read", reading=frozenset(reading))
-    if reading:
-        return state, effects
-    assert state.closing is not None
-    state, more = _include(state, state.closing, ctx)
+    measure = robust.needs_norms(len(reading), factor=ctx.outlier_factor, clip=ctx.algorithm.clip)
+    closing = attrs.evolve(closing, reading=tuple(sorted(reading)), measure=measure)
+    state, more = _read_next(state, closing, ctx)
+    return state, effects + more
+
+
+def _read_next(
+    state: RoundState, closing: Closing, ctx: Context
+) -> tuple[RoundState, list[Effect]]:
+    """Read the next snapshot to sum, or end the pass when none is left."""
+    if closing.reading:
+        read = ReadSnapshot(round=state.round, node=closing.reading[0])
+        return _set(state, closing, phase="read", waiting=None), [read]
+    if closing.final is not None:
+        return _based(state, closing, ctx)
+    return _summed(state, closing, ctx)
+
+
+def _skip(
+    state: RoundState, closing: Closing, ctx: Context, effects: list[Effect]
+) -> tuple[RoundState, list[Effect]]:
+    """The snapshot in hand is not summed: on to the next one."""
+    state, more = _read_next(state, attrs.evolve(closing, reading=closing.reading[1:]), ctx)
     return state, effects + more
 
 
 def _snapshot(
     state: RoundState, closing: Closing, result: SnapshotRead, ctx: Context
 ) -> tuple[RoundState, list[Effect]]:
-    if result.node not in closing.reading:
+    r, node = state.round, result.node
+    if not closing.reading or node != closing.reading[0]:
         return state, []
-    effects: list[Effect] = []
-    read = closing.read
+    if closing.final is not None:  # the second pass: the very snapshot summed the first time
+        wanted = closing.final[len(closing.chosen)]
+        if result.record is None or Included.of(result.record) != wanted:
+            why = result.rejected or "changed or gone between the two passes of its close"
+            return _failed(state, closing, keys.snapshot(r, node), why)
+        weights, _ = outer_sum(ctx.algorithm, closing.final, dict(closing.norms))
+        return _sum(state, closing, result.record, weights[len(closing.chosen)])
     if result.rejected is not None:
-        effects.append(Excluded(round=state.round, node=result.node, reason=result.rejected))
-    elif result.record is not None:
-        read = (*read, (result.node, result.record))
-    closing = attrs.evolve(closing, reading=closing.reading - {result.node}, read=read)
-    state = attrs.evolve(state, closing=closing)
-    if closing.reading:
-        return state, effects
-    state, more = _include(state, closing, ctx)
-    return state, effects + more
-
-
-def _include(state: RoundState, closing: Closing, ctx: Context) -> tuple[RoundState, list[Effect]]:
-    r = state.round
-    chosen, excluded = include(ctx.algorithm, r, closing.read)
-    effects: list[Effect] = [Excluded(round=r, node=n, reason=why) for n, why in excluded]
-    closing = attrs.evolve(closing, chosen=tuple(chosen))
-    if robust.needs_norms(len(chosen), factor=ctx.outlier_factor, clip=ctx.algorithm.clip):
-        nodes = tuple(i.node for i in chosen)
-        return _set(state, closing, phase="norms"), [*effects, Norms(round=r, nodes=nodes)]
-    state, more = _based(state, closing, ctx)
-    return state, effects + more
-
-
-def _outliers(
-    state: RoundState, closing: Closing, norms: dict[str, float], ctx: Context
-) -> tuple[RoundState, list[Effect]]:
-    r = state.round
-    out = robust.outliers(
-        closing.chosen, norms, inner_steps=ctx.algorithm.inner_steps, factor=ctx.outlier_factor
+        return _skip(state, closing, ctx, [Excluded(round=r, node=node, reason=result.rejected)])
+    if result.record is None:
+        return _skip(state, closing, ctx, [])
+    _, excluded = include(ctx.algorithm, r, [(node, result.record)])
+    if excluded:
+        reports: list[Effect] = [Excluded(round=r, node=n, reason=why) for n, why in excluded]
+        return _skip(state, closing, ctx, reports)
+    record = result.record
+    first = closing.chosen[0].samples if closing.chosen else record.samples
+    return _sum(
+        state, closing, record, _sum_weight(ctx.algorithm, record.samples, record.steps, first)
     )
-    dropped = {node for node, _ in out}
+
+
+def _sum(
+    state: RoundState, closing: Closing, record: Snapshot, weight: float
+) -> tuple[RoundState, list[Effect]]:
+    effect = Accumulate(
+        round=state.round,
+        node=record.node,
+        weight=weight,
+        start=not closing.chosen,
+        norm=closing.measure and closing.final is None,
+    )
+    return _set(state, closing, phase="sum", waiting=record), [effect]
+
+
+def _accumulated(
+    state: RoundState, closing: Closing, result: Accumulated, ctx: Context
+) -> tuple[RoundState, list[Effect]]:
+    r, node = state.round, result.node
+    if not closing.reading or node != closing.reading[0] or closing.waiting is None:
+        return state, []
+    if result.rejected is not None:
+        if closing.final is not None:
+            return _failed(state, closing, keys.snapshot(r, node), result.rejected)
+        return _skip(state, closing, ctx, [Excluded(round=r, node=node, reason=result.rejected)])
+    norms = closing.norms
+    if result.norm is not None:
+        norms = (*norms, (node, result.norm))
     closing = attrs.evolve(
         closing,
-        chosen=tuple(i for i in closing.chosen if i.node not in dropped),
-        norms=tuple(sorted(norms.items())),
+        reading=closing.reading[1:],
+        waiting=None,
+        chosen=(*closing.chosen, Included.of(closing.waiting)),
+        norms=norms,
     )
-    state, more = _based(state, closing, ctx)
-    return state, [*(Excluded(round=r, node=n, reason=why) for n, why in out), *more]
+    return _read_next(state, closing, ctx)
+
+
+def _summed(state: RoundState, closing: Closing, ctx: Context) -> tuple[RoundState, list[Effect]]:
+    """Every snapshot is read and the sum taken: exclude outliers and clip where the rules
+    read norms; when either changes a weight, take the sum again over those that stay."""
+    r, chosen = state.round, closing.chosen
+    if not robust.needs_norms(len(chosen), factor=ctx.outlier_factor, clip=ctx.algorithm.clip):
+        return _based(state, closing, ctx)
+    norms = dict(closing.norms)
+    out = robust.outliers(
+        chosen, norms, inner_steps=ctx.algorithm.inner_steps, factor=ctx.outlier_factor
+    )
+    dropped = {node for node, _ in out}
+    effects: list[Effect] = [Excluded(round=r, node=n, reason=why) for n, why in out]
+    final = tuple(i for i in chosen if i.node not in dropped)
+    scales: dict[str, float] = {}
+    if ctx.algorithm.clip is not None and final:
+        scales = robust.clip_scales(
+            final, norms, inner_steps=ctx.algorithm.inner_steps, clip=ctx.algorithm.clip
+        )
+        effects += [Clipped(round=r, node=n, factor=f) for n, f in sorted(scales.items()) if f < 1]
+    if final == chosen and all(f == 1.0 for f in scales.values()):
+        state, more = _based(state, closing, ctx)
+        return state, effects + more
+    if not final:
+        state, more = _based(state, attrs.evolve(closing, chosen=()), ctx)
+        return state, effects + more
+    again = attrs.evolve(closing, reading=tuple(i.node for i in final), chosen=(), final=final)
+    state, more = _read_next(state, again, ctx)
+    return state, effects + more
 
 
 def _based(state: RoundState, closing: Closing, ctx: Context) -> tuple[RoundState, list[Effect]]:
@@ -725,18 +819,9 @@ def _loaded(
         key = previous.state.key if previous is not None else ctx.manifest.init[k].key
         return _failed(state, closing, key, reason)
     norms = dict(closing.norms) if ctx.algorithm.clip is not None else None
-    weights = outer_weights(ctx.algorithm, closing.chosen, norms)
-    effects: list[Effect] = []
-    if ctx.algorithm.clip is not None and norms is not None:
-        scales = robust.clip_scales(
-            closing.chosen, norms, inner_steps=ctx.algorithm.inner_steps, clip=ctx.algorithm.clip
-        )
-        effects += [
-            Clipped(round=r, node=node, factor=f) for node, f in sorted(scales.items()) if f < 1.0
-        ]
-    nodes = tuple(i.node for i in closing.chosen)
-    step_effect = OuterStep(round=r, fragment=k, nodes=nodes, weights=tuple(weights))
-    return _set(state, closing, phase="write"), [*effects, step_effect]
+    _, scale = outer_sum(ctx.algorithm, closing.chosen, norms)
+    step_effect = OuterStep(round=r, fragment=k, scale=scale)
+    return _set(state, closing, phase="write"), [step_effect]
 
 
 def _written(

@@ -15,7 +15,7 @@ learner loop                  ``Upload``, ``PollCommit``, ``ReadParams``, ``Deli
                               (the chain walk)
 syncer loop                   ``RenewLease``, ``ListLeases``, ``ReadLease``, ``ListSnapshots``,
                               ``ListClaims``, ``CreateClaim``, ``ReadClaim``, ``ReadSnapshot``,
-                              ``Norms``, ``ReadOuterState``, ``OuterStep``, ``CreateCommit``,
+                              ``Accumulate``, ``ReadOuterState``, ``OuterStep``, ``CreateCommit``,
                               ``Committed`` (to the learner), ``PutHead``, ``ListRound``,
                               ``Delete``, ``Forget``, ``Drop``
 join                          ``ReadManifest``, ``WriteInit``, ``CreateManifest``, ``ReadLease``,
@@ -37,6 +37,8 @@ import attrs
 from gradientmail.core.records import Claim, Commit, Lease, Manifest, PayloadRef, Snapshot
 
 __all__ = [
+    "Accumulate",
+    "Accumulated",
     "BaseRead",
     "Captured",
     "ClaimRead",
@@ -72,8 +74,6 @@ __all__ = [
     "ManifestRead",
     "Merge",
     "Missed",
-    "Norms",
-    "NormsRead",
     "OuterStep",
     "ParamsRead",
     "PollCommit",
@@ -349,18 +349,25 @@ class ReadClaim:
 
 @attrs.frozen(kw_only=True)
 class ReadSnapshot:
-    """GET, verify and decode ``node``'s snapshot of ``round`` into the round's workspace."""
+    """GET and verify ``node``'s snapshot of ``round``; its payload waits in the round's
+    workspace for the ``Accumulate`` that follows (the next read drops one not summed)."""
 
     round: int
     node: str
 
 
 @attrs.frozen(kw_only=True)
-class Norms:
-    """The L2 norm of each of ``nodes``' decoded deltas of ``round``."""
+class Accumulate:
+    """Decode the payload of ``node``'s snapshot of ``round`` read last and add ``weight``
+    times the delta to the round's F32 sum (``start``: the sum begins with it, dropping any
+    earlier one), then drop the delta; with ``norm``, report its L2 norm. The close holds one
+    delta at a time, however many snapshots the round has."""
 
     round: int
-    nodes: tuple[str, ...]
+    node: str
+    weight: float
+    start: bool
+    norm: bool
 
 
 @attrs.frozen(kw_only=True)
@@ -376,13 +383,12 @@ class ReadOuterState:
 
 @attrs.frozen(kw_only=True)
 class OuterStep:
-    """``gradient = sum(w_i * delta_i)`` over ``nodes`` with ``weights``, one outer step from
-    the loaded state, then write the round's ``params`` and ``state`` payloads."""
+    """``gradient = scale * sum`` (the round's accumulated sum), one outer step from the loaded
+    state, then write the round's ``params`` and ``state`` payloads."""
 
     round: int
     fragment: int
-    nodes: tuple[str, ...]
-    weights: tuple[float, ...]
+    scale: float
 
 
 @attrs.frozen(kw_only=True)
@@ -493,7 +499,7 @@ Effect = (
     | CreateClaim
     | ReadClaim
     | ReadSnapshot
-    | Norms
+    | Accumulate
     | ReadOuterState
     | OuterStep
     | CreateCommit
@@ -604,8 +610,8 @@ class ClaimRead:
 
 @attrs.frozen(kw_only=True)
 class SnapshotRead:
-    """``node``'s snapshot of ``round``: its record (the delta decoded into the workspace),
-    None when gone, or ``rejected`` (why it is not used)."""
+    """``node``'s snapshot of ``round``: its record (the payload waiting to be summed), None
+    when gone, or ``rejected`` (why it is not used)."""
 
     round: int
     node: str
@@ -614,9 +620,14 @@ class SnapshotRead:
 
 
 @attrs.frozen(kw_only=True)
-class NormsRead:
+class Accumulated:
+    """``node``'s delta of ``round`` is in the sum, with its L2 ``norm`` when asked; or
+    ``rejected`` (its payload does not decode: the sum is as before)."""
+
     round: int
-    norms: tuple[tuple[str, float], ...]
+    node: str
+    norm: float | None = None
+    rejected: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -684,7 +695,7 @@ Result = (
     | ClaimsRead
     | ClaimRead
     | SnapshotRead
-    | NormsRead
+    | Accumulated
     | BaseRead
     | Written
     | RoundListed

@@ -26,7 +26,7 @@ from typing import Any
 import attrs
 
 from gradientmail._node.exchange import Exchange
-from gradientmail._node.payloads import read_base, read_fragment
+from gradientmail._node.payloads import outer_gradient, read_base, read_fragment
 from gradientmail.adapters.base import Backend
 from gradientmail.core import chain, closing, keys
 from gradientmail.core.algorithm import DiLoCo
@@ -232,8 +232,8 @@ class Checker:
         if state is None:
             return
         master, momentum = state
-        weights = closing.outer_weights(self.algorithm, commit.included)
-        gradient = backend.weighted_sum(list(zip(weights, deltas, strict=True)))
+        weights, scale = closing.outer_sum(self.algorithm, commit.included)
+        gradient = outer_gradient(backend, deltas, weights, scale)
         a = self.algorithm
         master, _ = backend.outer_step(
             master, momentum, gradient, lr=a.outer_lr, beta=a.outer_momentum, nesterov=a.nesterov

@@ -218,8 +218,9 @@ def _read_snapshot(world: World, i: int, read: fx.ReadSnapshot, _: str) -> Outco
     return world, fx.SnapshotRead(round=read.round, node=read.node, record=record)
 
 
-def _norms(world: World, i: int, norms: fx.Norms, _: str) -> Outcome:
-    return world, fx.NormsRead(round=norms.round, norms=tuple((n, 1.0) for n in norms.nodes))
+def _accumulate(world: World, i: int, add: fx.Accumulate, _: str) -> Outcome:
+    norm = 1.0 if add.norm else None
+    return world, fx.Accumulated(round=add.round, node=add.node, norm=norm)
 
 
 def _read_outer_state(world: World, i: int, read: fx.ReadOuterState, _: str) -> Outcome:
@@ -317,7 +318,7 @@ _HANDLERS: dict[type, Callable[[World, int, Any, str], Outcome]] = {
     fx.CreateClaim: _create_claim,
     fx.ReadClaim: _read_claim,
     fx.ReadSnapshot: _read_snapshot,
-    fx.Norms: _norms,
+    fx.Accumulate: _accumulate,
     fx.ReadOuterState: _read_outer_state,
     fx.OuterStep: _outer_step,
     fx.CreateCommit: _create_commit,

@@ -9,7 +9,46 @@ from gradientmail.core.payloads import all_f32, outer_state_schema, payload_limi
 from gradientmail.core.records import Commit, Manifest, PayloadRef
 from gradientmail.core.tensors import Schema, TensorBytes, validate
 
-__all__ = ["outer_state", "read_base", "read_fragment", "read_outer_state"]
+__all__ = [
+    "add_to_sum",
+    "outer_gradient",
+    "outer_state",
+    "read_base",
+    "read_fragment",
+    "read_outer_state",
+    "scaled",
+]
+
+
+def add_to_sum(
+    backend: Backend, total: Tensors | None, delta: Tensors, weight: float, *, owned: bool
+) -> Tensors:
+    """``total + weight * delta`` in F32, rounded as ``Backend.weighted_sum`` rounds its terms
+    in order (``total`` None: the sum begins with this delta). ``owned``: no one else holds
+    ``delta``, so a weight of 1 begins the sum with the delta itself, no copy."""
+    if total is None:
+        if owned and weight == 1.0:
+            return delta  # delta * 1.0 is delta, bit for bit
+        return backend.weighted_sum([(weight, delta)])
+    # total * 1.0 is total: the same two roundings, a product and a sum, as weighted_sum's.
+    return backend.weighted_sum([(1.0, total), (weight, delta)])
+
+
+def scaled(backend: Backend, total: Tensors, scale: float) -> Tensors:
+    """``scale * total`` in F32 (``total`` itself for a scale of 1)."""
+    return total if scale == 1.0 else backend.weighted_sum([(scale, total)])
+
+
+def outer_gradient(
+    backend: Backend, deltas: list[Tensors], weights: list[float], scale: float
+) -> Tensors:
+    """The outer gradient as a closer computes it (``core.closing.outer_sum``): the deltas
+    added one at a time with ``weights``, then scaled."""
+    total: Tensors | None = None
+    for delta, weight in zip(deltas, weights, strict=True):
+        total = add_to_sum(backend, total, delta, weight, owned=False)
+    assert total is not None
+    return scaled(backend, total, scale)
 
 
 async def read_fragment(

@@ -1,7 +1,8 @@
 """The syncer loop's executor: it carries out what ``core.syncer`` and ``core.closing`` decide.
 
-It keeps each round's workspace while this node closes it: the decoded deltas, the outer state
-the step starts from, and after the step the parameters it wrote. A closer's own snapshot is
+It keeps each round's workspace while this node closes it: the snapshot payload read last, the
+F32 sum of the deltas added so far (one delta decoded at a time), the outer state the step starts
+from, and after the step the parameters it wrote. A closer's own snapshot is
 taken from what its learner encoded when the stored bytes are the very ones it published, and
 the outer state of the last commit it wrote of a fragment is kept in memory (within the
 exchange's budget for what the node wrote) for the fragment's next step: both are what reading
@@ -11,7 +12,7 @@ the store would give. Every ``if`` here is about I/O and those caches.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import attrs
@@ -29,22 +30,25 @@ from gradientmail._node.drive import Inbox, Loop
 from gradientmail._node.exchange import Exchange
 from gradientmail._node.handoff import Handover
 from gradientmail._node.learner import UNTRUSTED, read_commit
-from gradientmail._node.payloads import outer_state, read_base
+from gradientmail._node.payloads import add_to_sum, outer_state, read_base, scaled
 from gradientmail.adapters.base import Backend, Tensors
 from gradientmail.core import effects as fx
 from gradientmail.core import keys, syncer
 from gradientmail.core.codecs import Compression
 from gradientmail.core.payloads import payload_limit
 from gradientmail.core.records import Commit
+from gradientmail.core.tensors import TensorBytes
 
 __all__ = ["SyncerLoop"]
 
 
 @attrs.define(eq=False)
 class _Workspace:
-    """One round's tensors while this node closes it."""
+    """One round's tensors while this node closes it: the snapshot read last (its payload,
+    or the delta its learner handed over when it is this node's own) and the sum."""
 
-    deltas: dict[str, Tensors] = attrs.Factory(dict)
+    waiting: tuple[str, Mapping[str, TensorBytes] | None, Tensors | None] | None = None
+    sum: Tensors | None = None
     master: Tensors | None = None
     momentum: Tensors | None = None
     params: Tensors | None = None
@@ -103,7 +107,7 @@ class SyncerLoop(Loop[syncer.SyncerState]):
             fx.CreateClaim: self._create_claim,
             fx.ReadClaim: self._read_claim,
             fx.ReadSnapshot: self._read_snapshot,
-            fx.Norms: self._norms,
+            fx.Accumulate: self._accumulate,
             fx.ReadOuterState: self._read_outer_state,
             fx.OuterStep: self._outer_step,
             fx.CreateCommit: self._create_commit,
@@ -167,28 +171,43 @@ class SyncerLoop(Loop[syncer.SyncerState]):
 
     async def _read_snapshot(self, read: fx.ReadSnapshot) -> fx.Result:
         r, node = read.round, read.node
+        work = self._work_of(r)
+        work.waiting = None
         schema = self._manifest.fragment_schema(r % self._manifest.algorithm.fragments)
         try:
             found = await self._exchange.snapshot(r, node, limit=payload_limit(schema))
-            if found is None:
-                return fx.SnapshotRead(round=r, node=node, record=None)
-            record, payload = found
-            own = self._handover.own(r) if node == self._node else None
-            if own is not None and (record.nonce, record.digest) == (own.nonce, own.digest):
-                # This node's own payload (its digest verified or its bytes compared):
-                # decoding it would give back the very delta the learner encoded.
-                delta = own.delta
-            else:
-                delta = self._backend.decode(payload, schema)
         except UNTRUSTED as exc:
             return fx.SnapshotRead(round=r, node=node, record=None, rejected=str(exc))
-        self._work_of(r).deltas[node] = delta
+        if found is None:
+            return fx.SnapshotRead(round=r, node=node, record=None)
+        record, payload = found
+        own = self._handover.own(r) if node == self._node else None
+        if own is not None and (record.nonce, record.digest) == (own.nonce, own.digest):
+            # This node's own payload (its digest verified or its bytes compared): decoding
+            # it would give back the very delta the learner encoded.
+            work.waiting = (node, None, own.delta)
+        else:
+            work.waiting = (node, payload, None)
         return fx.SnapshotRead(round=r, node=node, record=record)
 
-    async def _norms(self, norms: fx.Norms) -> fx.Result:
-        deltas = self._work_of(norms.round).deltas
-        found = tuple((n, self._backend.norm(deltas[n])) for n in norms.nodes)
-        return fx.NormsRead(round=norms.round, norms=found)
+    async def _accumulate(self, add: fx.Accumulate) -> fx.Result:
+        r, node = add.round, add.node
+        work = self._work_of(r)
+        assert work.waiting is not None and work.waiting[0] == node
+        _, payload, own = work.waiting
+        work.waiting = None
+        if add.start:
+            work.sum = None
+        schema = self._manifest.fragment_schema(r % self._manifest.algorithm.fragments)
+        try:
+            delta = own if payload is None else self._backend.decode(payload, schema)
+        except UNTRUSTED as exc:
+            return fx.Accumulated(round=r, node=node, rejected=str(exc))
+        del payload
+        assert delta is not None
+        norm = self._backend.norm(delta) if add.norm else None
+        work.sum = add_to_sum(self._backend, work.sum, delta, add.weight, owned=own is None)
+        return fx.Accumulated(round=r, node=node, norm=norm)
 
     async def _read_outer_state(self, read: fx.ReadOuterState) -> fx.Result:
         base, k = read.base, read.fragment
@@ -215,10 +234,9 @@ class SyncerLoop(Loop[syncer.SyncerState]):
         assert work.master is not None
         algorithm = self._manifest.algorithm
         schema = self._manifest.fragment_schema(k)
-        gradient = self._backend.weighted_sum(
-            [(w, work.deltas[n]) for w, n in zip(step.weights, step.nodes, strict=True)]
-        )
-        work.deltas.clear()
+        assert work.sum is not None
+        gradient = scaled(self._backend, work.sum, step.scale)
+        work.sum = None
         # The step computes into the momentum and the gradient (fresh from the weighted sum),
         # so the kept copy of this fragment's state is spent: a lost commit reads it again.
         kept = self._kept.get(k)

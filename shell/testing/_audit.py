@@ -25,7 +25,7 @@ import attrs
 from gradientmail._clock import MonotonicClock
 from gradientmail._node.exchange import Exchange
 from gradientmail._node.joining import read_manifest
-from gradientmail._node.payloads import read_base, read_fragment
+from gradientmail._node.payloads import outer_gradient, read_base, read_fragment
 from gradientmail.adapters.base import Backend
 from gradientmail.core import chain, closing, gc, keys
 from gradientmail.core.envelope import payload_digest, unseal
@@ -318,8 +318,8 @@ async def _recompute(
     norms = None
     if manifest.algorithm.clip is not None:  # the closer's norm clip, recomputed from the deltas
         norms = {i.node: backend.norm(d) for i, d in zip(commit.included, deltas, strict=True)}
-    weights = closing.outer_weights(manifest.algorithm, commit.included, norms)
-    gradient = backend.weighted_sum(list(zip(weights, deltas, strict=True)))
+    weights, scale = closing.outer_sum(manifest.algorithm, commit.included, norms)
+    gradient = outer_gradient(backend, deltas, weights, scale)
     master, _ = backend.outer_step(
         master,
         momentum,
