@@ -1,5 +1,6 @@
 """A Session around a real model size: Hugging Face GPT-2 (124M or 355M parameters, random
-init, CPU), the same loop with and without a Session, side by side in one run.
+init, CPU), the same loop with and without a Session, side by side in one run. (``small``, a
+15.8M-parameter GPT-2, shows a closer's memory against the number of nodes.)
 
 Each loop runs in its own process (so peak RSS is the loop's own): ``plain`` (the training
 loop alone) and ``session`` (the same loop, ``Session.step`` after every optimizer step, on a
@@ -24,6 +25,9 @@ It prints, per loop and as ratios against the plain loop:
     python bench/scale.py --model 355M --steps 60  # memory at 355M
     python bench/scale.py --nodes 3 --steps 150    # a node of a 3-process run
     python bench/scale.py --quantization F8_E4M3   # a quantized delta
+    # a closer's memory against its round's snapshots: 15.8M parameters, one fragment
+    python bench/scale.py --model small --fragments 1 --inner-steps 10 --overlap 1 \
+        --threads 1 --steps 40 --nodes 2    # and --nodes 8
 
 Needs the ``bench`` extra (``pip install -e '.[torch,bench]'``).
 """
@@ -49,6 +53,8 @@ from typing import Any
 SIZES = {
     "124M": {"vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12},
     "355M": {"vocab_size": 50257, "n_embd": 1024, "n_layer": 24, "n_head": 16},
+    # 15.8M parameters, byte-level: a closer's memory against its round's snapshots
+    "small": {"vocab_size": 256, "n_embd": 512, "n_layer": 5, "n_head": 8},
     "tiny": {"vocab_size": 256, "n_embd": 32, "n_layer": 2, "n_head": 2},  # for the test
 }
 CONTEXT = 64
@@ -131,6 +137,7 @@ def _session_loop(args: argparse.Namespace, model: Any, train_step: Any) -> dict
 
     published: dict[int, tuple[float, int, int]] = {}
     closed: dict[int, float] = {}
+    summed: dict[int, int] = {}  # the rounds this node committed: snapshots in each
     lock = threading.Lock()
 
     def on_event(event: object) -> None:
@@ -140,6 +147,8 @@ def _session_loop(args: argparse.Namespace, model: Any, train_step: Any) -> dict
                 published[event.round] = (now, event.bytes, event.fragment)
             elif isinstance(event, Committed | Merged):
                 closed.setdefault(event.round, now)
+            if isinstance(event, Committed):
+                summed[event.round] = event.included
 
     algorithm = DiLoCo(
         inner_steps=args.inner_steps,
@@ -193,6 +202,8 @@ def _session_loop(args: argparse.Namespace, model: Any, train_step: Any) -> dict
         "write_seconds": write,
         "bytes_out": stats.get("bytes_out", 0),
         "rounds_published": len(published),
+        "rounds_closed": len(summed),
+        "most_summed": max(summed.values(), default=0),
     }
 
 
@@ -281,15 +292,15 @@ def report(
     )
     print(
         "| loop | rank | steps/s | ratio | longest step() | steps > 100 ms | peak RSS GiB "
-        "| extra / F32 bytes | close s |"
+        "| extra / F32 bytes | close s | rounds closed | most snapshots in one |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     plain_rate = statistics.mean(p["steps"] / p["seconds"] for p in plain)
     plain_peak = statistics.mean(p["peak_rss"] for p in plain)
     for p in plain:
         print(
             f"| plain | {p['rank']} | {p['steps'] / p['seconds']:.3f} | 1.000 | - | - | "
-            f"{p['peak_rss'] / GiB:.2f} | - | - |"
+            f"{p['peak_rss'] / GiB:.2f} | - | - | - | - |"
         )
     for s in session:
         rate = s["steps"] / s["seconds"]
@@ -297,7 +308,7 @@ def report(
             f"| session | {s['rank']} | {rate:.3f} | {rate / plain_rate:.3f} | "
             f"{s['step_max'] * 1000:.0f} ms | {s['steps_over_100ms']} | "
             f"{s['peak_rss'] / GiB:.2f} | {(s['peak_rss'] - plain_peak) / f32:.2f}x | "
-            f"{s['close']:.1f} |"
+            f"{s['close']:.1f} | {s['rounds_closed']} | {s['most_summed']} |"
         )
     for s in session:
         lat = s["latencies"]
