@@ -4,7 +4,8 @@ MLX arrays are immutable: the adapter writes with ``Module.update``, keeping the
 tree's paths, and a capture is a reference to the current arrays. What the protocol computes,
 and in which order, is ``arrays.ArrayBackend``'s, shared with torch so that a payload is the
 same bytes whichever framework wrote it; this module supplies MLX's primitives and evaluates
-every array it returns.
+every array it returns. Peaks and finite checks reduce the F32 bits as integers
+(``_amax_bits``), which on the CPU is several times faster than float reductions.
 """
 
 from __future__ import annotations
@@ -162,8 +163,8 @@ class MLXBackend(ArrayBackend):
     def _from_bits(self, a: Any) -> Any:
         return a.view(mx.float32)
 
-    def _zeros_like(self, a: Any) -> Any:
-        return mx.zeros_like(a)
+    def _zeros(self, a: Any) -> Any:
+        return mx.broadcast_to(mx.array(0.0, mx.float32), a.shape)
 
     def _copy(self, a: Any) -> Any:
         return a  # immutable: sharing it is a copy
@@ -184,16 +185,23 @@ class MLXBackend(ArrayBackend):
         return mx.where(condition, yes, no)
 
     def _amax(self, a: Any) -> Any:
-        return mx.max(mx.abs(a)) if a.size else mx.array(0.0)
+        return _amax_bits(a.reshape(-1), None).view(mx.float32) if a.size else mx.array(0.0)
 
     def _amax_rows(self, rows: Any) -> Any:
-        return mx.max(mx.abs(rows), axis=1)
+        return _amax_bits(rows, 1).view(mx.float32)
 
     def _l2(self, a: Any) -> float:
         return cast(float, mx.sqrt(mx.sum(mx.square(a))).item())
 
     def _finite(self, arrays: list[Any]) -> list[bool]:
-        return cast(list[bool], mx.stack([mx.all(mx.isfinite(a)) for a in arrays]).tolist())
+        # The largest bits among positive and among negative floats, as _amax_bits: NaN and
+        # Inf are the largest of either sign.
+        flags = []
+        for a in arrays:
+            bits = a.reshape(-1).view(mx.int32)
+            positive = mx.max(bits) < 0x7F800000
+            flags.append(positive & (mx.max(bits.view(mx.uint32)) < 0xFF800000))
+        return cast(list[bool], mx.stack(flags).tolist())
 
     def _to_e4m3(self, a: Any) -> Any:
         return mx.to_fp8(a)
@@ -209,6 +217,20 @@ class MLXBackend(ArrayBackend):
 
     def _interleave(self, a: Any, b: Any) -> Any:
         return mx.stack([a, b], axis=1).reshape(-1)
+
+
+def _amax_bits(a: Any, axis: int | None) -> Any:
+    """The int32 bits of ``max|a|`` (along ``axis``) of the F32 ``a``, NaN and Inf included.
+
+    Integer reductions over the bits, with no temporary of ``a``'s size, are several times
+    faster on the CPU than a float ``max`` of ``abs``: F32 bits order as their magnitudes
+    within a sign, so the int32 maximum is the largest non-negative float's bits (if any) and
+    the uint32 maximum the largest negative one's, sign bit set.
+    """
+    bits = a.view(mx.int32)
+    positive = mx.maximum(mx.max(bits, axis=axis), 0)
+    negative = (mx.max(bits.view(mx.uint32), axis=axis) & 0x7FFFFFFF).astype(mx.int32)
+    return mx.maximum(positive, negative)
 
 
 def _evaluated(tensors: Tensors) -> Tensors:
