@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 from gradientmail.adapters import formats
@@ -91,39 +92,47 @@ class ArrayBackend(ArrayKernels):
         self, delta: Tensors, quantization: Quantized | None
     ) -> tuple[dict[str, TensorBytes], Tensors]:
         delta = {name: self._f32(t) for name, t in delta.items()}
-        self._refuse_nonfinite(delta)
         payload: dict[str, TensorBytes] = {}
         residual: Tensors = {}
-        for name, x in delta.items():
-            if quantization is None:
+        if quantization is None:
+            self._refuse_nonfinite(delta)
+            for name, x in delta.items():
                 payload[name] = self._plain_bytes(x)
-                residual[name] = self._zeros_like(x)
-                continue
-            encoded, scales, decoded = self._quantize(quantization, x)
-            n = numel(x)
-            shape = (n + (-n) % F4_BLOCK,) if quantization == "F4" else tuple(x.shape)
-            payload[name] = TensorBytes(dtype=quantization, shape=shape, data=self._host(encoded))
-            payload[scale_name(name)] = TensorBytes(
-                dtype="F32" if quantization == "F8_E4M3" else "F8_E8M0",
-                shape=tuple(scales.shape),
-                data=self._host(scales),
-            )
-            residual[name] = x - decoded
+                residual[name] = self._zeros(x)
+            return payload, self._evaluated(residual)
+        # The peaks the scales come from hold any NaN or Inf of the tensor: checking them
+        # first refuses every bad tensor, by name, before any is quantized.
+        peaks = {name: self._peaks(quantization, x) for name, x in delta.items()}
+        self._refuse_nonfinite(self._evaluated(peaks))
+        with self._workspace():
+            for name, x in delta.items():
+                encoded, scales, residual[name] = self._quantize(quantization, x, peaks[name])
+                n = numel(x)
+                shape = (n + (-n) % F4_BLOCK,) if quantization == "F4" else tuple(x.shape)
+                payload[name] = TensorBytes(
+                    dtype=quantization, shape=shape, data=self._host(encoded)
+                )
+                payload[scale_name(name)] = TensorBytes(
+                    dtype="F32" if quantization == "F8_E4M3" else "F8_E8M0",
+                    shape=tuple(scales.shape),
+                    data=self._host(scales),
+                )
         return payload, self._evaluated(residual)
 
     def decode(self, payload: Mapping[str, TensorBytes], schema: Schema) -> Tensors:
         layout = formats.payload_layout(payload, schema)
         out: Tensors = {}
-        for spec in schema.parameters:
-            data = self._array(payload[spec.name])
-            if layout[spec.name] == "F8_E4M3":
-                scale = self._array(payload[scale_name(spec.name)])
-                out[spec.name] = self._dequantize_f8(data, scale, spec.shape)
-            elif layout[spec.name] == "F4":
-                scales = self._array(payload[scale_name(spec.name)])
-                out[spec.name] = self._dequantize_f4(data, scales, spec.shape)
-            else:
-                out[spec.name] = self._f32(data)
+        with self._workspace():
+            for spec in schema.parameters:
+                data = self._array(payload[spec.name])
+                if layout[spec.name] == "F8_E4M3":
+                    scale = self._array(payload[scale_name(spec.name)])
+                    out[spec.name] = self._dequantize_f8(data, scale, spec.shape)
+                elif layout[spec.name] == "F4":
+                    scales = self._array(payload[scale_name(spec.name)])
+                    out[spec.name] = self._dequantize_f4(data, scales, spec.shape)
+                else:
+                    out[spec.name] = self._f32(data)
         self._refuse_nonfinite(self._evaluated(out))
         return out
 
@@ -283,7 +292,14 @@ class ArrayBackend(ArrayKernels):
         """``a`` rounded to nearest even to ``dtype``."""
 
     @abstractmethod
-    def _zeros_like(self, a: Array) -> Array: ...
+    def _zeros(self, a: Array) -> Array:
+        """F32 zeros of ``a``'s shape, to add or read but not to write into: a broadcast
+        zero where the framework has one, which takes no memory."""
+
+    def _workspace(self) -> AbstractContextManager[None]:
+        """Scope of one ``encode`` or ``decode``, for a backend that reuses scratch buffers
+        across its tensors; none by default."""
+        return nullcontext()
 
     @abstractmethod
     def _copy(self, a: Array) -> Array:

@@ -4,11 +4,13 @@ MLX arrays are immutable: the adapter writes with ``Module.update``, keeping the
 tree's paths, and a capture is a reference to the current arrays. What the protocol computes,
 and in which order, is ``arrays.ArrayBackend``'s, shared with torch so that a payload is the
 same bytes whichever framework wrote it; this module supplies MLX's primitives and evaluates
-every array it returns.
+every array it returns. Peaks and finite checks reduce the F32 bits as integers
+(``_amax_bits``), which on the CPU is several times faster than float reductions.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -17,9 +19,11 @@ import mlx.nn
 import mlx.utils
 import numpy as np
 
+from gradientmail.adapters import formats
 from gradientmail.adapters.arrays import ArrayBackend, plain_bytes
 from gradientmail.adapters.base import Tensors
 from gradientmail.core.tensors import (
+    F4_BLOCK,
     DType,
     ParameterSpec,
     PayloadDType,
@@ -44,6 +48,10 @@ _MLX: dict[PayloadDType, Any] = {
     "F8_E8M0": mx.uint8,
     "F4": mx.uint8,
 }
+_F4_PAIRS = mx.array(
+    [[formats.E2M1_VALUES[b & 0xF], formats.E2M1_VALUES[b >> 4]] for b in range(256)], mx.float32
+)
+"""The two values of each packed F4 byte, the low nibble first."""
 # NumPy has no bfloat16: its bytes go through uint16.
 _NUMPY: dict[Any, Any] = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16}
 
@@ -162,8 +170,8 @@ class MLXBackend(ArrayBackend):
     def _from_bits(self, a: Any) -> Any:
         return a.view(mx.float32)
 
-    def _zeros_like(self, a: Any) -> Any:
-        return mx.zeros_like(a)
+    def _zeros(self, a: Any) -> Any:
+        return mx.broadcast_to(mx.array(0.0, mx.float32), a.shape)
 
     def _copy(self, a: Any) -> Any:
         return a  # immutable: sharing it is a copy
@@ -184,16 +192,23 @@ class MLXBackend(ArrayBackend):
         return mx.where(condition, yes, no)
 
     def _amax(self, a: Any) -> Any:
-        return mx.max(mx.abs(a)) if a.size else mx.array(0.0)
+        return _amax_bits(a.reshape(-1), None).view(mx.float32) if a.size else mx.array(0.0)
 
     def _amax_rows(self, rows: Any) -> Any:
-        return mx.max(mx.abs(rows), axis=1)
+        return _amax_bits(rows, 1).view(mx.float32)
 
     def _l2(self, a: Any) -> float:
         return cast(float, mx.sqrt(mx.sum(mx.square(a))).item())
 
     def _finite(self, arrays: list[Any]) -> list[bool]:
-        return cast(list[bool], mx.stack([mx.all(mx.isfinite(a)) for a in arrays]).tolist())
+        # The largest bits among positive and among negative floats, as _amax_bits: NaN and
+        # Inf are the largest of either sign.
+        flags = []
+        for a in arrays:
+            bits = a.reshape(-1).view(mx.int32)
+            positive = mx.max(bits) < 0x7F800000
+            flags.append(positive & (mx.max(bits.view(mx.uint32)) < 0xFF800000))
+        return cast(list[bool], mx.stack(flags).tolist())
 
     def _to_e4m3(self, a: Any) -> Any:
         return mx.to_fp8(a)
@@ -207,8 +222,30 @@ class MLXBackend(ArrayBackend):
     def _lookup(self, table: tuple[float, ...], indices: Any) -> Any:
         return mx.take(mx.array(table, mx.float32), indices)
 
+    def _dequantize_f4(self, packed: Any, exponents: Any, shape: tuple[int, ...]) -> Any:
+        # One gather of both values of each byte, about twice as fast as splitting the
+        # nibbles and gathering each.
+        values = mx.take(_F4_PAIRS, packed, axis=0).reshape(-1, F4_BLOCK)
+        scales = self._lookup(formats.E8M0_VALUES, exponents)
+        decoded = (values * scales[:, None]).reshape(-1)
+        return decoded[: math.prod(shape)].reshape(shape)
+
     def _interleave(self, a: Any, b: Any) -> Any:
         return mx.stack([a, b], axis=1).reshape(-1)
+
+
+def _amax_bits(a: Any, axis: int | None) -> Any:
+    """The int32 bits of ``max|a|`` (along ``axis``) of the F32 ``a``, NaN and Inf included.
+
+    Integer reductions over the bits, with no temporary of ``a``'s size, are several times
+    faster on the CPU than a float ``max`` of ``abs``: F32 bits order as their magnitudes
+    within a sign, so the int32 maximum is the largest non-negative float's bits (if any) and
+    the uint32 maximum the largest negative one's, sign bit set.
+    """
+    bits = a.view(mx.int32)
+    positive = mx.maximum(mx.max(bits, axis=axis), 0)
+    negative = (mx.max(bits.view(mx.uint32), axis=axis) & 0x7FFFFFFF).astype(mx.int32)
+    return mx.maximum(positive, negative)
 
 
 def _evaluated(tensors: Tensors) -> Tensors:

@@ -4,17 +4,30 @@ The backend's tensors live on its ``device``. What the protocol computes, and in
 ``arrays.ArrayBackend``'s, shared with MLX so that a payload is the same bytes whichever
 framework wrote it; this module supplies torch's primitives, the captures its CUDA streams need
 and the in-place merge that keeps the tensors optimizers hold.
+
+The bulk quantization steps are torch's own (``_round_f8``, ``_round_f4`` and the two
+dequantizations): a fresh tensor costs its page faults on the CPU, so each step allocates only
+what it returns and works in place in it, and it decodes codes by table lookup
+(``index_select`` into that tensor) with an int32 index in a scratch buffer that one ``encode``
+or ``decode`` reuses across its tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import math
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
 
+import numpy as np
 import torch
 
+from gradientmail.adapters import formats
 from gradientmail.adapters.arrays import ArrayBackend, plain_bytes
 from gradientmail.adapters.base import Tensors
 from gradientmail.core.tensors import (
+    F4_BLOCK,
     DType,
     ParameterSpec,
     PayloadDType,
@@ -39,6 +52,38 @@ _TORCH: dict[PayloadDType, torch.dtype] = {
     "F8_E8M0": torch.uint8,
     "F4": torch.uint8,
 }
+
+_F4_KEY_BITS = 21
+"""``_round_f4`` classes a scaled F32 value ``a`` (``|a| < 8``) by a 12-bit key: the floor and
+the ceiling of its bits on the grid of its sign, exponent and two leading mantissa bits, added
+(twice the floor, plus one if any bit below is set). The E2M1 thresholds all lie on that grid,
+so ``a`` passes a threshold exactly when every value of its key does."""
+
+
+def _f4_key_tables() -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """The E2M1 code (sign included) and its F32 value for each of the 4096 keys."""
+    keys = np.arange(4096, dtype=np.uint32)
+    # A value of each key: the floor itself, or half a step above it when bits below were set.
+    bits = (((keys >> 1) & 0x3FF) << _F4_KEY_BITS) | ((keys & 1) << (_F4_KEY_BITS - 1))
+    magnitude = bits.view(np.float32)
+    magnitude = np.where(np.isfinite(magnitude), np.minimum(magnitude, 8.0), 8.0)
+    grid = np.where(keys >> 11 == 1, -magnitude, magnitude).astype(np.float32)
+    codes = formats.e2m1_code(grid)
+    return codes, np.array(formats.E2M1_VALUES, np.float32)[codes]
+
+
+_F4_KEY_CODES, _F4_KEY_VALUES = _f4_key_tables()
+_F4_PAIRS = np.array(
+    [[formats.E2M1_VALUES[b & 0xF], formats.E2M1_VALUES[b >> 4]] for b in range(256)], np.float32
+)
+"""The two values of each packed F4 byte, the low nibble first."""
+
+
+class _Scratch(threading.local):
+    """A thread's int32 index buffer, kept while an ``encode`` or ``decode`` runs."""
+
+    depth = 0
+    buffer: torch.Tensor | None = None
 
 
 class TorchAdapter:
@@ -110,6 +155,8 @@ class TorchBackend(ArrayBackend):
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        self._tables: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._scratch = _Scratch()
 
     def __repr__(self) -> str:
         return f"TorchBackend(device={str(self.device)!r})"
@@ -185,8 +232,18 @@ class TorchBackend(ArrayBackend):
     def _from_bits(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(torch.float32)
 
-    def _zeros_like(self, t: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(t)
+    def _zeros(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((), dtype=torch.float32, device=t.device).expand(t.shape)
+
+    @contextmanager
+    def _workspace(self) -> Iterator[None]:
+        self._scratch.depth += 1
+        try:
+            yield
+        finally:
+            self._scratch.depth -= 1
+            if not self._scratch.depth:
+                self._scratch.buffer = None
 
     def _copy(self, t: torch.Tensor) -> torch.Tensor:
         return t.clone()
@@ -213,10 +270,15 @@ class TorchBackend(ArrayBackend):
         return torch.where(condition, yes, no)
 
     def _amax(self, t: torch.Tensor) -> torch.Tensor:
-        return t.abs().amax() if t.numel() else t.new_zeros(())
+        if not t.numel():
+            return t.new_zeros(())
+        # One pass and no temporary; min and max propagate NaN.
+        low, high = torch.aminmax(t)
+        return torch.maximum(high, low.neg())
 
     def _amax_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        return rows.abs().amax(dim=1)
+        # Faster than aminmax along a short row, and no temporary of the rows' size.
+        return torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_())
 
     def _l2(self, t: torch.Tensor) -> float:
         return float(torch.linalg.vector_norm(t))
@@ -233,6 +295,89 @@ class TorchBackend(ArrayBackend):
 
     def _from_e4m3(self, codes: torch.Tensor) -> torch.Tensor:
         return codes.view(torch.float8_e4m3fn).to(torch.float32)
+
+    def _round_f8(
+        self, x: torch.Tensor, inverse: torch.Tensor, limit: torch.Tensor, scale: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # r is the residual's buffer: x scaled, then decoded, then x minus that, in place.
+        r = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        torch.mul(x, inverse, out=r)
+        # |x * inverse| <= 448 by the choice of the scale, so only the lower limit of the
+        # largest scale needs a pass. On the CPU reading the limit costs nothing; on CUDA it
+        # would wait for the device, so the clamp runs there unread.
+        if r.is_cuda:
+            r.clamp_(-limit, limit)
+        elif (high := float(limit)) < formats.E4M3_MAX:
+            r.clamp_(-high, high)
+        codes = r.to(torch.float8_e4m3fn).view(torch.uint8)
+        values = self._table("e4m3", formats.E4M3_VALUES, x.device) * scale
+        torch.index_select(values, 0, self._index(codes), out=r.view(-1))
+        return codes, torch.sub(x, r, out=r)
+
+    def _round_f4(
+        self, x: torch.Tensor, inverse: torch.Tensor, scales: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = x.numel()
+        pad = (-n) % F4_BLOCK
+        r = torch.empty(n + pad, dtype=torch.float32, device=x.device)
+        rows = r.view(-1, F4_BLOCK)
+        if pad:
+            r[:n].copy_(x.reshape(-1))
+            r[n:].zero_()
+            rows.mul_(inverse[:, None])
+        else:
+            torch.mul(x.reshape(-1, F4_BLOCK), inverse[:, None], out=rows)
+        key, bits = self._scratch_index(n + pad, x.device), r.view(torch.int32)
+        torch.bitwise_right_shift(bits, _F4_KEY_BITS, out=key)
+        key.add_(bits.add_((1 << _F4_KEY_BITS) - 1).bitwise_right_shift_(_F4_KEY_BITS))
+        key.bitwise_and_(0xFFF)
+        codes = torch.index_select(self._table("f4 codes", _F4_KEY_CODES, x.device), 0, key)
+        torch.index_select(self._table("f4 values", _F4_KEY_VALUES, x.device), 0, key, out=r)
+        rows.mul_(scales[:, None])
+        residual = torch.sub(x.reshape(-1), r[:n], out=r[:n])
+        # Two codes a byte, the first low: an int16 of a pair (little-endian) is c0 | c1 << 8.
+        pairs = codes.view(torch.int16)
+        packed = (pairs >> 4).bitwise_or_(pairs).to(torch.uint8)
+        return packed, residual.view(x.shape)
+
+    def _dequantize_f8(
+        self, codes: torch.Tensor, scale: torch.Tensor, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        values = self._table("e4m3", formats.E4M3_VALUES, codes.device) * scale
+        out = torch.empty(codes.numel(), dtype=torch.float32, device=codes.device)
+        return torch.index_select(values, 0, self._index(codes), out=out).view(shape)
+
+    def _dequantize_f4(
+        self, packed: torch.Tensor, exponents: torch.Tensor, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        out = torch.empty(2 * packed.numel(), dtype=torch.float32, device=packed.device)
+        pairs = self._table("f4 pairs", _F4_PAIRS, packed.device)
+        torch.index_select(pairs, 0, self._index(packed), out=out.view(-1, 2))
+        scales = self._lookup(formats.E8M0_VALUES, exponents)
+        out.view(-1, F4_BLOCK).mul_(scales[:, None])
+        return out[: math.prod(shape)].view(shape)
+
+    def _table(self, name: str, values: Any, device: torch.device) -> torch.Tensor:
+        """The constant table ``values`` on ``device``, made once."""
+        table = self._tables.get((name, device))
+        if table is None:
+            array = np.asarray(values, dtype=np.uint8 if name == "f4 codes" else np.float32)
+            table = self._tables[(name, device)] = torch.from_numpy(array).to(device)
+        return table
+
+    def _index(self, small: torch.Tensor) -> torch.Tensor:
+        """The unsigned bytes ``small`` as an int32 index (the scratch buffer)."""
+        index = self._scratch_index(small.numel(), small.device)
+        return index.copy_(small.view(-1))
+
+    def _scratch_index(self, n: int, device: torch.device) -> torch.Tensor:
+        """``n`` int32 of the thread's scratch buffer; a fresh tensor outside a workspace."""
+        buffer = self._scratch.buffer
+        if buffer is None or buffer.numel() < n or buffer.device != device:
+            buffer = torch.empty(n, dtype=torch.int32, device=device)
+            if self._scratch.depth:
+                self._scratch.buffer = buffer
+        return buffer[:n]
 
     def _padded(self, flat: torch.Tensor, count: int) -> torch.Tensor:
         return torch.nn.functional.pad(flat, (0, count)) if count else flat
@@ -258,7 +403,10 @@ def _to_bytes(t: torch.Tensor) -> TensorBytes:
 def _host_bytes(t: torch.Tensor) -> bytes:
     if t.numel() == 0:
         return b""
-    return t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    flat = t.detach().to("cpu").reshape(-1)
+    if flat.stride(0) != 1:  # an expanded tensor (the residual's broadcast zeros)
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8).numpy().tobytes()
 
 
 def _from_bytes(value: TensorBytes) -> torch.Tensor:

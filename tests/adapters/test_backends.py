@@ -144,6 +144,34 @@ def test_f4_ties_round_to_even_and_large_values_saturate(fw: Any) -> None:
     assert fw.numpy(decoded["w"])[0] == 6.0
 
 
+@pytest.mark.parametrize("quantization", ["F8_E4M3", "F4"])
+def test_codes_hold_on_each_side_of_every_f4_threshold(fw: Any, quantization: str) -> None:
+    # Each block leads with 6, which gives the scale 1: the block holds the values themselves.
+    # The values are the E2M1 thresholds and their F32 neighbours, of either sign.
+    near = []
+    for threshold, _ in formats.E2M1_STEPS:
+        t = np.float32(threshold)
+        near += [np.nextafter(t, np.float32(0)), t, np.nextafter(t, np.float32(8))]
+    values = np.array(near + [-v for v in near] + [0.0, -0.0, 1e-45, -1e-45], np.float32)
+    blocks = np.zeros((-(-values.size // 31), 32), np.float32)
+    blocks[:, 0] = 6.0
+    blocks[:, 1:].reshape(-1)[: values.size] = values
+    x = blocks.reshape(-1)
+    delta = {"w": fw.tensor(x)}
+    payload, residual = fw.backend.encode(delta, quantization)
+    if quantization == "F4":
+        packed, scales = formats.encode_f4(x)
+        assert payload_codes(payload, "w").tolist() == packed.tolist()
+        assert payload_codes(payload, scale_name("w")).tolist() == scales.tolist()
+    else:
+        codes, _ = formats.encode_f8(x)
+        assert payload_codes(payload, "w").tolist() == codes.tolist()
+    decoded = fw.numpy(fw.backend.decode(payload, schema_of({"w": x}))["w"])
+    # Bit for bit, zeros' signs included; the delta itself is left as it was.
+    assert (fw.numpy(residual["w"]).view(np.uint32) == (x - decoded).view(np.uint32)).all()
+    assert (fw.numpy(delta["w"]).view(np.uint32) == x.view(np.uint32)).all()
+
+
 def test_f8_values_near_the_f32_maximum_stay_finite(fw: Any) -> None:
     # max|x| / 2**120 just below 256 would round up to 256 * 2**120, F32's infinity.
     x = np.float32([3.4e38, -3.3e38, 2.9e38, 1.0])
