@@ -363,8 +363,17 @@ class Exchange:
     # -- payloads ---------------------------------------------------------------------
 
     async def write_payload(
-        self, key: str, tensors: Mapping[str, TensorBytes], compression: Compression
+        self,
+        key: str,
+        tensors: Mapping[str, TensorBytes],
+        compression: Compression,
+        *,
+        remember: bool = True,
     ) -> PayloadRef:
+        """Write ``tensors`` as the payload at ``key`` (create-only) and return its reference.
+        ``remember``: keep the tensors for a read of it (``read_payload``); a writer that keeps
+        the tensors itself (the syncer's outer state, the parameters it hands its learner)
+        passes False, so that they are not held twice."""
         payload = compress_parts(tensors, compression)
         blob = seal(
             canonical({"format": 1, "kind": "payload", "key": key}),
@@ -374,7 +383,8 @@ class Exchange:
         if not await self.create(key, blob):
             raise FormatError("payload key already taken (nonce collision)", key=key)
         ref = PayloadRef(key=key, digest=payload_digest(payload), size=len(blob))
-        self._remember(key, tensors, ref=ref)
+        if remember:
+            self._remember(key, tensors, ref=ref)
         return ref
 
     async def read_payload(self, ref: PayloadRef, *, limit: int) -> dict[str, TensorBytes] | None:

@@ -78,11 +78,16 @@ def outer_state(
 
 
 async def read_outer_state(
-    exchange: Exchange, backend: Backend, commit: Commit, schema: Schema
+    exchange: Exchange,
+    backend: Backend,
+    commit: Commit,
+    schema: Schema,
+    master: Tensors | None = None,
 ) -> tuple[Tensors, Tensors] | None:
     """The F32 master parameters and momentum that ``commit`` left for the fragment of
     ``schema``; None when a payload is gone (collected). A state that also holds the master of
-    F32 parameters (as written before it was stored once) is read as well. ``FormatError``
+    F32 parameters (as written before it was stored once) is read as well. ``master``, when the
+    caller holds the commit's F32 parameters already, spares reading them. ``FormatError``
     names the payload that is corrupt or holds other tensors."""
     state = await exchange.read_payload(commit.state, limit=payload_limit(schema))
     if state is None:
@@ -98,7 +103,7 @@ async def read_outer_state(
     loaded = backend.load(state)
     if layout is layouts[0]:  # the master is in the state
         master = {n: loaded[f"master.{n}"] for n in schema.names}
-    else:
+    elif master is None:
         params = await read_fragment(exchange, commit.params, schema)
         if params is None:
             return None

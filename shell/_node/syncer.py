@@ -11,6 +11,7 @@ the store would give. Every ``if`` here is about I/O and those caches.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -30,7 +31,13 @@ from gradientmail._node.drive import Inbox, Loop
 from gradientmail._node.exchange import Exchange
 from gradientmail._node.handoff import Handover
 from gradientmail._node.learner import UNTRUSTED, read_commit
-from gradientmail._node.payloads import add_to_sum, outer_state, read_base, scaled
+from gradientmail._node.payloads import (
+    add_to_sum,
+    outer_state,
+    read_base,
+    read_outer_state,
+    scaled,
+)
 from gradientmail.adapters.base import Backend, Tensors
 from gradientmail.core import effects as fx
 from gradientmail.core import keys, syncer
@@ -57,13 +64,27 @@ class _Workspace:
 @attrs.frozen(kw_only=True)
 class _Kept:
     """The F32 master parameters and momentum of a commit this node wrote, as its outer step
-    left them: the next outer step of the fragment starts from them when it is this node's."""
+    left them: the next outer step of the fragment starts from them when it is this node's.
+
+    With F32 parameters the master is the very tensors handed to the learner, its base until
+    it merges a newer commit of the fragment: kept by weak reference, it costs nothing and is
+    gone once the learner lets go. Otherwise the master is held (``master``). The momentum is
+    held while the budget allows (``size``: the bytes this entry holds)."""
 
     round: int
     nonce: str
-    master: Tensors
-    momentum: Tensors
-    size: int  # bytes: both in F32
+    master: Tensors | None
+    shared: dict[str, weakref.ref[Any]] | None
+    momentum: Tensors | None
+    size: int
+
+    def base(self) -> Tensors | None:
+        """The master, or None when the learner has let go of it."""
+        if self.master is not None:
+            return self.master
+        assert self.shared is not None
+        found = {name: ref() for name, ref in self.shared.items()}
+        return None if any(t is None for t in found.values()) else found
 
 
 class SyncerLoop(Loop[syncer.SyncerState]):
@@ -212,13 +233,31 @@ class SyncerLoop(Loop[syncer.SyncerState]):
     async def _read_outer_state(self, read: fx.ReadOuterState) -> fx.Result:
         base, k = read.base, read.fragment
         kept = self._kept.get(k)
+        found: Tensors | None = None
+        if (
+            base is not None
+            and kept is not None
+            and (kept.nonce, kept.round)
+            == (
+                base.nonce,
+                base.round,
+            )
+        ):
+            found = kept.base()  # our own commit: what it stored
+        master: Tensors
         momentum: Tensors | None
-        ours = base is not None and kept is not None and kept.nonce == base.nonce
-        if kept is not None and base is not None and ours and kept.round == base.round:
-            master, momentum = kept.master, kept.momentum  # our own commit: what it stored
+        if found is not None and kept is not None and kept.momentum is not None:
+            master, momentum = found, kept.momentum
         else:
+            state: tuple[Tensors, Tensors | None] | None
             try:
-                state = await read_base(self._exchange, self._backend, self._manifest, k, base)
+                if found is not None and base is not None:  # the master in hand: the momentum
+                    schema = self._manifest.fragment_schema(k)
+                    state = await read_outer_state(
+                        self._exchange, self._backend, base, schema, master=found
+                    )
+                else:
+                    state = await read_base(self._exchange, self._backend, self._manifest, k, base)
             except UNTRUSTED as exc:
                 return fx.BaseRead(round=read.round, present=False, rejected=str(exc))
             if state is None:
@@ -256,13 +295,19 @@ class SyncerLoop(Loop[syncer.SyncerState]):
         work.params = self._backend.cast(master, schema)
         nonce = self._nonces()
         try:
+            # Not remembered by the exchange: the learner is handed the parameters and this
+            # loop keeps the outer state (``_keep_state``), as tensors.
             params = await self._exchange.write_payload(
-                keys.params(r, nonce), self._backend.dump(work.params), self._compression
+                keys.params(r, nonce),
+                self._backend.dump(work.params),
+                self._compression,
+                remember=False,
             )
             state = await self._exchange.write_payload(
                 keys.state(r, nonce),
                 outer_state(self._backend, schema, master, momentum),
                 self._compression,
+                remember=False,
             )
         except UNTRUSTED as exc:  # a payload key taken: report, and look again later
             return fx.Written(round=r, nonce=nonce, params=None, state=None, failed=str(exc))
@@ -276,7 +321,7 @@ class SyncerLoop(Loop[syncer.SyncerState]):
         work = self._work_of(commit.round)
         # The step's outer state (its momentum is never None after a step).
         assert work.master is not None and work.momentum is not None and work.params is not None
-        self._keep_state(commit, work.master, work.momentum)
+        self._keep_state(commit, work.master, work.momentum, work.params)
         self._handover.put_params(commit, work.params)
         self._learner.put(committed)
         self._on_event(
@@ -291,19 +336,51 @@ class SyncerLoop(Loop[syncer.SyncerState]):
             )
         )
 
-    def _keep_state(self, commit: Commit, master: Tensors, momentum: Tensors) -> None:
+    def _keep_state(
+        self, commit: Commit, master: Tensors, momentum: Tensors, params: Tensors
+    ) -> None:
         """Keep the outer state ``commit`` stored, as tensors, for the fragment's next outer
-        step: reading it back would be the store's bytes of exactly these tensors."""
-        self._kept.pop(commit.fragment, None)
-        size = 2 * self._manifest.fragment_schema(commit.fragment).f32.nbytes()
+        step: reading it back would be the store's bytes of exactly these tensors. The master
+        is kept by weak reference when it is the parameters handed to the learner (F32
+        parameters); what is held stays within the exchange's budget, oldest out first."""
+        k = commit.fragment
+        self._kept.pop(k, None)
+        shared = all(params[n] is t for n, t in master.items())
+        nbytes = self._manifest.fragment_schema(k).f32.nbytes()
+        size = nbytes if shared else 2 * nbytes
         limit = self._exchange.written_limit
-        if size > limit:
-            return
-        while self._kept and sum(kept.size for kept in self._kept.values()) + size > limit:
-            self._kept.popitem(last=False)
-        self._kept[commit.fragment] = _Kept(
-            round=commit.round, nonce=commit.nonce, master=master, momentum=momentum, size=size
-        )
+        for j in list(self._kept):  # make room, oldest first; a shared master stays
+            if self._held() + size <= limit:
+                break
+            old = self._kept[j]
+            if old.shared is not None:
+                self._kept[j] = attrs.evolve(old, momentum=None, size=0)
+            else:
+                del self._kept[j]
+        fits = self._held() + size <= limit
+        if shared:
+            refs = {n: weakref.ref(t) for n, t in master.items()}
+            self._kept[k] = _Kept(
+                round=commit.round,
+                nonce=commit.nonce,
+                master=None,
+                shared=refs,
+                momentum=momentum if fits else None,
+                size=size if fits else 0,
+            )
+        elif fits:
+            self._kept[k] = _Kept(
+                round=commit.round,
+                nonce=commit.nonce,
+                master=master,
+                shared=None,
+                momentum=momentum,
+                size=size,
+            )
+
+    def _held(self) -> int:
+        """Bytes the kept outer states hold."""
+        return sum(kept.size for kept in self._kept.values())
 
     async def _put_head(self, put: fx.PutHead) -> None:
         await self._exchange.put_head(put.fragment, put.round)

@@ -201,8 +201,9 @@ def test_a_tampered_snapshot_is_checked_and_refused_by_its_writer_too() -> None:
 
 
 def test_a_lone_node_remembers_only_the_newest_commit_of_each_fragment(tmp_path: Path) -> None:
-    """A closer forgets the payloads its commit supersedes, so a long run holds one params and
-    one state payload per fragment, not every round's."""
+    """A closer keeps the outer state of the newest commit of each fragment, and the exchange
+    forgets what each commit supersedes, so a long run holds one momentum per fragment (its
+    master is the learner's base) and no payload of every round's."""
     pytest.importorskip("torch")
     from virtual_run import drift, make_model
 
@@ -221,5 +222,11 @@ def test_a_lone_node_remembers_only_the_newest_commit_of_each_fragment(tmp_path:
     ) as session:
         drift(model, session, 48)
     assert session.rounds_seen >= 16
-    held = session._node.exchange.remembered_bytes  # the Session's own exchange
-    assert 0 < held <= 2 * model_bytes, (held, model_bytes)
+    node = session._node  # the Session's own runtime
+    assert node.syncer is not None
+    kept = node.syncer._kept
+    assert sorted(kept) == [0, 1]
+    assert all(k.momentum is not None and k.master is None for k in kept.values())
+    assert all(k.base() is not None for k in kept.values()), "the learner's base, shared"
+    assert node.syncer._held() == model_bytes  # one F32 momentum of each fragment
+    assert node.exchange.remembered_bytes <= model_bytes
