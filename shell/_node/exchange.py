@@ -338,9 +338,11 @@ class Exchange:
         return created
 
     async def snapshot(
-        self, r: int, node: str, *, limit: int
+        self, r: int, node: str, *, limit: int, parse: bool = True
     ) -> tuple[Snapshot, dict[str, TensorBytes]] | None:
-        """A snapshot and its payload tensors; ``FormatError`` when corrupt or mismatched."""
+        """A snapshot and its payload tensors; ``FormatError`` when corrupt or mismatched.
+        Without ``parse`` the payload is verified against the record's digest but not
+        parsed, and no tensors are returned (a closer that holds its own delta)."""
         key = keys.snapshot(r, node)
         blob = await self.get(key)
         if blob is None:
@@ -349,11 +351,13 @@ class Exchange:
             mine = self._written.get(key)
         if mine is not None and mine.record is not None and blob == mine.blob:
             # The very bytes this node published, which pass every check below.
-            return mine.record, dict(mine.tensors)
+            return mine.record, dict(mine.tensors) if parse else {}
         sealed = unseal(blob)
         record = read_record(sealed.record, Snapshot, key=key, verifier=self.keyring)
         if payload_digest(sealed.payload) != record.digest:
             raise FormatError("payload does not match the record's digest", key=key)
+        if not parse:
+            return record, {}
         try:
             tensors = decompress(sealed.payload, sealed.compression, limit=limit)
         except FormatError as exc:

@@ -133,6 +133,13 @@ class Handover:
             for old in [r for r in self._params if r < commit.round - WINDOW]:
                 del self._params[old]
 
+    def drop_params(self, r: int, nonce: str) -> None:
+        """Forget the parameters handed over for round ``r`` under ``nonce`` (a lost race)."""
+        with self._lock:
+            held = self._params.get(r)
+            if held is not None and held[0] == nonce:
+                del self._params[r]
+
     def take_params(self, commit: Commit) -> Tensors | None:
         """The parameters handed over with ``commit`` (same round and nonce), once."""
         with self._lock:

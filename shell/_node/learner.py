@@ -142,7 +142,10 @@ class LearnerLoop(Loop[polling.PollState]):
             steps=publish.steps,
             digest=payload_digest(data),
         )
-        created = await self._exchange.publish(snapshot, data, self._compression, payload)
+        # An unquantized delta goes to this node's closer as tensors (``_watch``): the
+        # exchange need not remember the payload's bytes as well.
+        remembered = payload if self._algorithm.quantization is not None else None
+        created = await self._exchange.publish(snapshot, data, self._compression, remembered)
         self._sent[publish.round] = (job, snapshot, delta, sum(len(part) for part in data))
         return Uploaded(round=publish.round, created=created)
 

@@ -195,20 +195,24 @@ class SyncerLoop(Loop[syncer.SyncerState]):
         work = self._work_of(r)
         work.waiting = None
         schema = self._manifest.fragment_schema(r % self._manifest.algorithm.fragments)
+        own = self._handover.own(r) if node == self._node else None
         try:
-            found = await self._exchange.snapshot(r, node, limit=payload_limit(schema))
+            # This node's own snapshot is verified but not parsed while its learner's delta
+            # is in hand: it is used when the record is the one published.
+            found = await self._exchange.snapshot(
+                r, node, limit=payload_limit(schema), parse=own is None
+            )
+            if found is not None and own is not None:
+                if (found[0].nonce, found[0].digest) == (own.nonce, own.digest):
+                    work.waiting = (node, None, own.delta)
+                    return fx.SnapshotRead(round=r, node=node, record=found[0])
+                found = await self._exchange.snapshot(r, node, limit=payload_limit(schema))
         except UNTRUSTED as exc:
             return fx.SnapshotRead(round=r, node=node, record=None, rejected=str(exc))
         if found is None:
             return fx.SnapshotRead(round=r, node=node, record=None)
         record, payload = found
-        own = self._handover.own(r) if node == self._node else None
-        if own is not None and (record.nonce, record.digest) == (own.nonce, own.digest):
-            # This node's own payload (its digest verified or its bytes compared): decoding
-            # it would give back the very delta the learner encoded.
-            work.waiting = (node, None, own.delta)
-        else:
-            work.waiting = (node, payload, None)
+        work.waiting = (node, payload, None)
         return fx.SnapshotRead(round=r, node=node, record=record)
 
     async def _accumulate(self, add: fx.Accumulate) -> fx.Result:
@@ -226,8 +230,13 @@ class SyncerLoop(Loop[syncer.SyncerState]):
             return fx.Accumulated(round=r, node=node, rejected=str(exc))
         del payload
         assert delta is not None
+        if own is not None:
+            # The learner's delta is the sum's from here on (the outer step computes into
+            # it); a second pass or another close reads the snapshot from the store.
+            self._handover.drop_own(r)
+        del own
         norm = self._backend.norm(delta) if add.norm else None
-        work.sum = add_to_sum(self._backend, work.sum, delta, add.weight, owned=own is None)
+        work.sum = add_to_sum(self._backend, work.sum, delta, add.weight, owned=True)
         return fx.Accumulated(round=r, node=node, norm=norm)
 
     async def _read_outer_state(self, read: fx.ReadOuterState) -> fx.Result:
@@ -314,6 +323,11 @@ class SyncerLoop(Loop[syncer.SyncerState]):
         return fx.Written(round=r, nonce=nonce, params=params, state=state)
 
     async def _create_commit(self, create: fx.CreateCommit) -> fx.Result:
+        params = self._work_of(create.commit.round).params
+        if params is not None:
+            # Handed over before the commit exists, so that a learner that reads the commit
+            # at once finds its parameters here; a lost race takes them back (``_delete``).
+            self._handover.put_params(create.commit, params)
         return await self._exchange.create_commit(create.commit)
 
     async def _committed(self, committed: fx.Committed) -> None:
@@ -322,7 +336,6 @@ class SyncerLoop(Loop[syncer.SyncerState]):
         # The step's outer state (its momentum is never None after a step).
         assert work.master is not None and work.momentum is not None and work.params is not None
         self._keep_state(commit, work.master, work.momentum, work.params)
-        self._handover.put_params(commit, work.params)
         self._learner.put(committed)
         self._on_event(
             Committed(
@@ -391,6 +404,9 @@ class SyncerLoop(Loop[syncer.SyncerState]):
 
     async def _delete(self, delete: fx.Delete) -> None:
         for key in delete.keys:
+            parsed = keys.parse(key)
+            if parsed.kind == "params" and parsed.round is not None and parsed.nonce:
+                self._handover.drop_params(parsed.round, parsed.nonce)
             await self._exchange.delete(key)
 
     async def _forget(self, forget: fx.Forget) -> None:
