@@ -32,6 +32,7 @@ from gradientmail.core.tensors import (
     Schema,
     SchemaMismatch,
     TensorBytes,
+    TensorView,
     scale_name,
 )
 
@@ -77,6 +78,13 @@ class ArrayBackend(ArrayKernels):
 
     def dump(self, tensors: Tensors) -> dict[str, TensorBytes]:
         return {name: self._plain_bytes(t) for name, t in tensors.items()}
+
+    def lend(self, tensors: Tensors) -> dict[str, TensorView]:
+        lent = {}
+        for name, t in tensors.items():
+            dtype = self._dtype_code(t)
+            lent[name] = TensorView(dtype=dtype, shape=tuple(t.shape), data=self._lent(t))
+        return lent
 
     def delta(self, base: Tensors, local: Tensors, residual: Tensors | None = None) -> Tensors:
         names = matching("delta", base, local, residual)
@@ -278,6 +286,15 @@ class ArrayBackend(ArrayKernels):
     @abstractmethod
     def _host(self, a: Array) -> bytes:
         """The raw bytes of ``a``, C-contiguous."""
+
+    @abstractmethod
+    def _lent(self, a: Array) -> memoryview:
+        """The raw bytes of ``a``, C-contiguous, as a flat byte view of its own memory where
+        it is host memory and contiguous, else of a host copy."""
+
+    @abstractmethod
+    def _dtype_code(self, a: Array) -> DType:
+        """The F32, F16 or BF16 code of ``a``'s dtype (``TypeError`` for any other)."""
 
     @abstractmethod
     def _f32(self, a: Array) -> Array:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
-from gradientmail.core.tensors import Quantized, Schema, TensorBytes
+from gradientmail.core.tensors import Quantized, Schema, TensorBytes, TensorView
 
 __all__ = ["Adapter", "Backend", "Tensors"]
 
@@ -67,6 +67,11 @@ class Backend(Protocol):
 
     def dump(self, tensors: Tensors) -> dict[str, TensorBytes]:
         """Bytes of ``tensors``, keeping their dtype."""
+        ...
+
+    def lend(self, tensors: Tensors) -> dict[str, TensorView]:
+        """``dump``'s bytes without the copy where the memory allows (host tensors): views that
+        stay valid while no one writes ``tensors``. A device tensor is copied to the host."""
         ...
 
     def delta(self, base: Tensors, local: Tensors, residual: Tensors | None = None) -> Tensors:

@@ -149,6 +149,17 @@ class MLXBackend(ArrayBackend):
     def _host(self, a: Any) -> bytes:
         return _host_bytes(a)
 
+    def _lent(self, a: Any) -> memoryview:
+        if a.dtype == mx.bfloat16:
+            a = a.view(mx.uint16)
+        return np.ascontiguousarray(a).reshape(-1).view(np.uint8).data.cast("B")
+
+    def _dtype_code(self, a: Any) -> DType:
+        dtype = _DTYPE.get(a.dtype)
+        if dtype is None:
+            raise TypeError(f"a tensor of {a.dtype} has no F32/F16/BF16 bytes")
+        return dtype
+
     def _f32(self, a: Any) -> Any:
         return a if a.dtype == mx.float32 else a.astype(mx.float32)
 

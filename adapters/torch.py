@@ -211,6 +211,20 @@ class TorchBackend(ArrayBackend):
     def _host(self, t: torch.Tensor) -> bytes:
         return _host_bytes(t)
 
+    def _lent(self, t: torch.Tensor) -> memoryview:
+        flat = t.detach().to("cpu").reshape(-1)
+        if not flat.is_contiguous():
+            flat = flat.clone(memory_format=torch.contiguous_format)
+        if flat.numel() == 0:
+            return memoryview(b"")
+        return flat.view(torch.uint8).numpy().data.cast("B")
+
+    def _dtype_code(self, t: torch.Tensor) -> DType:
+        dtype = _DTYPE.get(t.dtype)
+        if dtype is None:
+            raise TypeError(f"a tensor of {t.dtype} has no F32/F16/BF16 bytes")
+        return dtype
+
     def _f32(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, torch.float32)
 

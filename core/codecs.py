@@ -56,6 +56,7 @@ from gradientmail.core.tensors import (
     PayloadDType,
     Schema,
     TensorBytes,
+    Tensorish,
     pack,
     pack_parts,
     unpack,
@@ -95,7 +96,9 @@ def compress(tensors: Mapping[str, TensorBytes], compression: Compression) -> by
     return b"".join(compress_parts(tensors, compression))
 
 
-def compress_parts(tensors: Mapping[str, TensorBytes], compression: Compression) -> list[bytes]:
+def compress_parts(
+    tensors: Mapping[str, Tensorish], compression: Compression
+) -> list[bytes | memoryview]:
     """``compress``'s payload as parts to be joined (``"off"``: the safetensors header, then
     each tensor's data, uncopied), so that the envelope is the only copy a writer makes."""
     _check(compression)
@@ -104,10 +107,15 @@ def compress_parts(tensors: Mapping[str, TensorBytes], compression: Compression)
     return [_compress_zstd(tensors)]
 
 
-def _compress_zstd(tensors: Mapping[str, TensorBytes]) -> bytes:
+def _compress_zstd(tensors: Mapping[str, Tensorish]) -> bytes:
     zstd = _zstd()
     blob = pack(
-        {name: _with_data(t, _shuffle(t.data, plane_count(t.dtype))) for name, t in tensors.items()}
+        {
+            name: TensorBytes(
+                dtype=t.dtype, shape=t.shape, data=_shuffle(t.data, plane_count(t.dtype))
+            )
+            for name, t in tensors.items()
+        }
     )
     return _zstd_compress(zstd, blob, _plane_bounds(blob))
 
@@ -161,9 +169,9 @@ def _with_data(tensor: TensorBytes, data: bytes) -> TensorBytes:
     return attrs.evolve(tensor, data=data)
 
 
-def _shuffle(data: bytes, planes: int) -> bytes:
+def _shuffle(data: bytes | memoryview, planes: int) -> bytes:
     if planes == 1:
-        return data
+        return bytes(data)
     return b"".join(data[i::planes] for i in range(planes))
 
 

@@ -66,12 +66,12 @@ class Sealed:
     payload: bytes = attrs.field(repr=lambda p: f"<{len(p)} bytes>")
 
 
-Payload: TypeAlias = bytes | Sequence[bytes]
+Payload: TypeAlias = bytes | Sequence[bytes | memoryview]
 """A payload as stored: one bytes object, or parts whose concatenation it is
 (``codecs.compress_parts``), so that sealing copies the data once."""
 
 
-def _parts(payload: Payload) -> Sequence[bytes]:
+def _parts(payload: Payload) -> Sequence[bytes | memoryview]:
     return (payload,) if isinstance(payload, bytes) else payload
 
 

@@ -109,6 +109,27 @@ class TensorBytes:
             )
 
 
+@attrs.frozen(kw_only=True, eq=False)
+class TensorView:
+    """One tensor's raw bytes, laid out as ``TensorBytes``'s, lent by their owner rather than
+    copied: valid while the owner leaves the memory unchanged, so a writer that is done with
+    them when its write returns (a payload sealed and stored) spares a copy of each tensor."""
+
+    dtype: PayloadDType
+    shape: tuple[int, ...] = attrs.field(converter=_shape)
+    data: bytes | memoryview
+
+    def __attrs_post_init__(self) -> None:
+        expected = nbytes(self.dtype, self.shape)
+        size = self.data.nbytes if isinstance(self.data, memoryview) else len(self.data)
+        if size != expected:
+            raise ValueError(f"{self.dtype} view of shape {self.shape} needs {expected} bytes")
+
+
+Tensorish: TypeAlias = "TensorBytes | TensorView"
+"""What a payload writer takes: tensors' bytes, copied or lent."""
+
+
 @attrs.frozen(kw_only=True)
 class ParameterSpec:
     """A named tensor's dtype code and shape."""
@@ -274,7 +295,7 @@ def validate(schema: Schema, tensors: Mapping[str, TensorBytes], names: Iterable
         raise SchemaMismatch(offending)
 
 
-def pack(tensors: Mapping[str, TensorBytes]) -> bytes:
+def pack(tensors: Mapping[str, Tensorish]) -> bytes:
     """Serialize to safetensors bytes without metadata; deterministic for equal content.
 
     The bytes are ``pack_parts``'s, joined.
@@ -282,7 +303,7 @@ def pack(tensors: Mapping[str, TensorBytes]) -> bytes:
     return b"".join(pack_parts(tensors))
 
 
-def pack_parts(tensors: Mapping[str, TensorBytes]) -> list[bytes]:
+def pack_parts(tensors: Mapping[str, Tensorish]) -> list[bytes | memoryview]:
     """The safetensors bytes of ``tensors`` as parts: its length and header, then each tensor's
     data (not copied), so that a writer joins them once with what precedes them.
 

@@ -27,6 +27,7 @@ from gradientmail.core.tensors import (
     Schema,
     SchemaMismatch,
     TensorBytes,
+    TensorView,
 )
 
 __all__ = ["FloatBackend", "FloatModel", "Vector", "backend_for", "model_for", "train_step"]
@@ -141,6 +142,12 @@ class FloatBackend:
 
     def dump(self, tensors: Tensors) -> dict[str, TensorBytes]:
         return {name: _vector(t).to_bytes() for name, t in tensors.items()}
+
+    def lend(self, tensors: Tensors) -> dict[str, TensorView]:
+        return {
+            name: TensorView(dtype="F32", shape=v.shape, data=memoryview(v.values).cast("B"))
+            for name, v in ((n, _vector(t)) for n, t in tensors.items())
+        }
 
     def delta(self, base: Tensors, local: Tensors, residual: Tensors | None = None) -> Tensors:
         names = _matching("delta", base, local, residual)

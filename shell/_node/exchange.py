@@ -47,7 +47,7 @@ from gradientmail.core.records import (
 )
 from gradientmail.core.robust import RECORD_BOUND, oversized
 from gradientmail.core.signing import Keyring
-from gradientmail.core.tensors import TensorBytes
+from gradientmail.core.tensors import TensorBytes, Tensorish
 from gradientmail.mailboxes._protocol import Mailbox, ObjectInfo, TransientMailboxError
 
 __all__ = ["WRITTEN_CACHE_BYTES", "Exchange", "new_nonce"]
@@ -369,7 +369,7 @@ class Exchange:
     async def write_payload(
         self,
         key: str,
-        tensors: Mapping[str, TensorBytes],
+        tensors: Mapping[str, Tensorish],
         compression: Compression,
         *,
         remember: bool = True,
@@ -377,7 +377,8 @@ class Exchange:
         """Write ``tensors`` as the payload at ``key`` (create-only) and return its reference.
         ``remember``: keep the tensors for a read of it (``read_payload``); a writer that keeps
         the tensors itself (the syncer's outer state, the parameters it hands its learner)
-        passes False, so that they are not held twice."""
+        passes False, so that they are not held twice. Lent tensors (``TensorView``) are
+        never remembered: their owner may write them once this returns."""
         payload = compress_parts(tensors, compression)
         blob = seal(
             canonical({"format": 1, "kind": "payload", "key": key}),
@@ -387,8 +388,9 @@ class Exchange:
         if not await self.create(key, blob):
             raise FormatError("payload key already taken (nonce collision)", key=key)
         ref = PayloadRef(key=key, digest=payload_digest(payload), size=len(blob))
-        if remember:
-            self._remember(key, tensors, ref=ref)
+        copied = {n: t for n, t in tensors.items() if isinstance(t, TensorBytes)}
+        if remember and len(copied) == len(tensors):
+            self._remember(key, copied, ref=ref)
         return ref
 
     async def read_payload(self, ref: PayloadRef, *, limit: int) -> dict[str, TensorBytes] | None:

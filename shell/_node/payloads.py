@@ -7,7 +7,7 @@ from gradientmail.adapters.base import Backend, Tensors
 from gradientmail.core.errors import FormatError
 from gradientmail.core.payloads import all_f32, outer_state_schema, payload_limit
 from gradientmail.core.records import Commit, Manifest, PayloadRef
-from gradientmail.core.tensors import Schema, TensorBytes, validate
+from gradientmail.core.tensors import Schema, TensorBytes, TensorView, validate
 
 __all__ = [
     "add_to_sum",
@@ -69,11 +69,12 @@ async def read_fragment(
 
 def outer_state(
     backend: Backend, schema: Schema, master: Tensors, momentum: Tensors
-) -> dict[str, TensorBytes]:
-    """The ``state`` payload of a commit whose outer step left ``master`` and ``momentum``."""
-    state = {f"momentum.{n}": t for n, t in backend.dump(momentum).items()}
+) -> dict[str, TensorView]:
+    """The ``state`` payload of a commit whose outer step left ``master`` and ``momentum``,
+    lent (``Backend.lend``): the tensors must stay unchanged until it is written."""
+    state = {f"momentum.{n}": t for n, t in backend.lend(momentum).items()}
     if not all_f32(schema):
-        state |= {f"master.{n}": t for n, t in backend.dump(master).items()}
+        state |= {f"master.{n}": t for n, t in backend.lend(master).items()}
     return state
 
 

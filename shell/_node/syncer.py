@@ -304,11 +304,12 @@ class SyncerLoop(Loop[syncer.SyncerState]):
         work.params = self._backend.cast(master, schema)
         nonce = self._nonces()
         try:
-            # Not remembered by the exchange: the learner is handed the parameters and this
-            # loop keeps the outer state (``_keep_state``), as tensors.
+            # Lent, not copied (nothing writes these tensors before the payloads are stored),
+            # and not remembered by the exchange: the learner is handed the parameters and
+            # this loop keeps the outer state (``_keep_state``), as tensors.
             params = await self._exchange.write_payload(
                 keys.params(r, nonce),
-                self._backend.dump(work.params),
+                self._backend.lend(work.params),
                 self._compression,
                 remember=False,
             )
