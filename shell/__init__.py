@@ -59,6 +59,7 @@ from gradientmail.mailboxes import (
     MailboxError,
     MemoryMailbox,
     ObjectInfo,
+    StoreUnavailable,
     TransientMailboxError,
     mailbox_from_url,
 )
@@ -102,6 +103,7 @@ __all__ = [
     "Retried",
     "SchemaMismatch",
     "Session",
+    "StoreUnavailable",
     "TookOver",
     "TransientMailboxError",
     "align",

@@ -21,7 +21,7 @@ from typing import Any
 from gradientmail._clock import MonotonicClock, run_sync
 from gradientmail._events import Callback, Left, combined, log_events
 from gradientmail._node import Node
-from gradientmail._node.exchange import Exchange
+from gradientmail._node.exchange import DEFAULT_OUTAGE, Exchange
 from gradientmail._node.joining import Joiner
 from gradientmail._node.node import adapter_of
 from gradientmail._secrets import Secret, keyring_from
@@ -135,6 +135,11 @@ class Session:
         When closing a round of at least 3 deltas, exclude a delta whose L2 norm (normalized
         to ``inner_steps`` steps) exceeds this many times the round's median; None turns the
         rule off. Above 1; 10 by default.
+    outage_timeout
+        Seconds one store request may keep failing transiently (refused connections,
+        timeouts, 5xx, throttling) before the node stops with ``StoreUnavailable``; until
+        then it is retried with capped backoff (``Retried`` events), and training goes on up
+        to the overlap bound. 1800 by default.
     """
 
     def __init__(
@@ -158,6 +163,7 @@ class Session:
         secret: Secret | None = None,
         secret_file: str | os.PathLike[str] | None = None,
         outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
+        outage_timeout: float = DEFAULT_OUTAGE,
     ) -> None:
         self._mailbox = mailbox
         self._on_event = combined(*callbacks)
@@ -179,6 +185,7 @@ class Session:
             gc_horizon=gc_horizon,
             keyring=keyring_from(secret, secret_file),
             outlier_factor=outlier_factor,
+            outage_timeout=outage_timeout,
         )
         self._lease_timeout = lease_timeout
         self._close_timeout = close_timeout

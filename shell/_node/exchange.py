@@ -17,6 +17,7 @@ in place of checking and parsing them again.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import threading
@@ -48,9 +49,26 @@ from gradientmail.core.records import (
 from gradientmail.core.robust import RECORD_BOUND, oversized
 from gradientmail.core.signing import Keyring
 from gradientmail.core.tensors import TensorBytes, Tensorish
-from gradientmail.mailboxes._protocol import Mailbox, ObjectInfo, TransientMailboxError
+from gradientmail.mailboxes._protocol import (
+    Mailbox,
+    ObjectInfo,
+    StoreUnavailable,
+    TransientMailboxError,
+)
 
-__all__ = ["WRITTEN_CACHE_BYTES", "Exchange", "new_nonce"]
+__all__ = ["DEFAULT_OUTAGE", "WRITTEN_CACHE_BYTES", "Exchange", "new_nonce"]
+
+DEFAULT_OUTAGE = 1800.0
+"""Seconds a request may keep failing transiently before the node stops (``StoreUnavailable``):
+long enough for a store's or a network's usual incidents, during which training goes on up to
+the overlap bound, and short enough that a store that is gone ends the run in the same hour."""
+
+
+def _jitter(node: str, key: str, attempt: int) -> float:
+    """A factor in [0.5, 1) fixed by ``node``, ``key`` and ``attempt``."""
+    digest = hashlib.blake2b(f"{node}/{key}/{attempt}".encode(), digest_size=4).digest()
+    return 0.5 + int.from_bytes(digest, "big") / 2**33
+
 
 WRITTEN_CACHE_BYTES = 256 * 2**20
 """Default bytes of tensor data an ``Exchange`` remembers of the payloads it wrote."""
@@ -79,11 +97,17 @@ def new_nonce() -> str:
 class Exchange:
     """Records and payloads of one run in ``mailbox``, for node ``node``.
 
-    ``retries`` transient failures of one request are retried, ``backoff`` seconds after the
-    first and doubling; the last one is raised. With ``keyring`` (a signed run) every record
-    written is signed and every record read must verify (``core.signing``); without one,
-    records are written unsigned and signatures are not checked. ``written_cache`` bounds the
-    bytes of tensor data remembered of the payloads written last (0 remembers none).
+    A request that fails transiently (``TransientMailboxError``: refused connections,
+    timeouts, 5xx, throttling) is tried again, ``backoff`` seconds after the first failure and
+    doubling up to ``max_backoff``, each wait shortened by up to half (a jitter fixed by the
+    node, key and try, so that nodes that failed together do not retry together, and a run
+    replays the same), and a ``Retried`` event each time: without limit until the request has
+    failed for ``outage`` seconds, which raises ``StoreUnavailable`` (or, with ``retries``
+    set, after that many tries, raising the last error). With ``keyring`` (a signed run)
+    every record written is signed and every record read must verify (``core.signing``);
+    without one, records are written unsigned and signatures are not checked.
+    ``written_cache`` bounds the bytes of tensor data remembered of the payloads written last
+    (0 remembers none).
     """
 
     def __init__(
@@ -93,8 +117,10 @@ class Exchange:
         *,
         node: str = "observer",
         on_event: Callback | None = None,
-        retries: int = 6,
+        retries: int | None = None,
         backoff: float = 0.05,
+        max_backoff: float = 10.0,
+        outage: float = DEFAULT_OUTAGE,
         keyring: Keyring | None = None,
         written_cache: int = WRITTEN_CACHE_BYTES,
     ) -> None:
@@ -105,8 +131,15 @@ class Exchange:
         self.clock = clock
         self.node = node
         self._on_event = on_event or (lambda event: None)
+        if not (backoff > 0 and max_backoff >= backoff and outage >= 0):
+            raise ValueError(
+                f"retry settings must satisfy 0 < backoff <= max_backoff and outage >= 0, got "
+                f"backoff={backoff}, max_backoff={max_backoff}, outage={outage}"
+            )
         self._retries = retries
         self._backoff = backoff
+        self._max_backoff = max_backoff
+        self._outage = outage
         # Reasons already reported, so that an object re-read every poll (a forged commit
         # squatting its key) is reported once, not once a poll.
         self._reported: set[tuple[str, str]] = set()
@@ -121,25 +154,40 @@ class Exchange:
 
     async def _retry(self, operation: str, key: str, call: Callable[[], Awaitable[T]]) -> T:
         delay = self._backoff
-        for attempt in range(1, self._retries + 1):
+        started = self.clock.now()
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 return await call()
             except TransientMailboxError as exc:
-                if attempt == self._retries:
+                if self._retries is not None and attempt >= self._retries:
                     raise
+                failing = self.clock.now() - started
+                if failing >= self._outage:
+                    raise StoreUnavailable(
+                        f"every try failed for {failing:.0f} s ({attempt} tries), beyond the "
+                        f"outage limit of {self._outage:g} s; the last: {exc}",
+                        store=exc.store,
+                        key=exc.key,
+                        operation=exc.operation,
+                        seconds=failing,
+                        tries=attempt,
+                    ) from exc
+                wait = min(delay, self._max_backoff) * _jitter(self.node, key, attempt)
+                wait = min(wait, self._outage - failing)
                 self._on_event(
                     Retried(
                         node=self.node,
                         operation=operation,
                         key=key,
                         attempt=attempt,
-                        delay=delay,
+                        delay=wait,
                         error=str(exc),
                     )
                 )
-                await self.clock.sleep(delay)
+                await self.clock.sleep(wait)
                 delay *= 2
-        raise AssertionError("unreachable")
 
     async def get(self, key: str) -> bytes | None:
         return await self._retry("get", key, lambda: self.mailbox.get(key))
@@ -326,8 +374,11 @@ class Exchange:
     ) -> Created:
         """Create this node's snapshot of a round (``core.identity.ours`` judges whether the
         key then holds ours). ``tensors``, the payload's tensors before compression, are
-        remembered: a ``snapshot`` read that finds the very bytes published returns them
-        without verifying and parsing the bytes again."""
+        remembered with the bytes: a ``snapshot`` read that finds the very bytes published
+        returns them without verifying and parsing the bytes again. Without ``tensors`` (a
+        closer that holds its learner's delta) the bytes alone are remembered when they are
+        small (a quarter of the budget): comparing them costs less than hashing what is read
+        back, and holding them little."""
         key = keys.snapshot(snapshot.round, snapshot.node)
         blob = self._seal(snapshot, payload, compression)
         # Not durable (docs/decisions.md, "What must survive a crash"): a snapshot
@@ -335,6 +386,8 @@ class Exchange:
         created = await self.create_record(key, blob, durable=False)
         if created.outcome != "taken" and tensors is not None:
             self._remember(key, tensors, blob=blob, record=snapshot)
+        elif created.outcome != "taken" and len(blob) <= self._written_limit // 4:
+            self._remember(key, {}, blob=blob, record=snapshot)
         return created
 
     async def snapshot(
@@ -349,7 +402,12 @@ class Exchange:
             return None
         with self._written_lock:
             mine = self._written.get(key)
-        if mine is not None and mine.record is not None and blob == mine.blob:
+        if (
+            mine is not None
+            and mine.record is not None
+            and (mine.tensors or not parse)
+            and blob == mine.blob
+        ):
             # The very bytes this node published, which pass every check below.
             return mine.record, dict(mine.tensors) if parse else {}
         sealed = unseal(blob)

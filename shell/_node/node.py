@@ -12,7 +12,7 @@ from typing import Any
 from gradientmail._clock import Clock
 from gradientmail._events import Callback, Failed, Joined, log_events
 from gradientmail._node.drive import Inbox
-from gradientmail._node.exchange import Exchange, new_nonce
+from gradientmail._node.exchange import DEFAULT_OUTAGE, Exchange, new_nonce
 from gradientmail._node.handoff import Handoff, Handover
 from gradientmail._node.joining import Joiner
 from gradientmail._node.learner import LearnerLoop
@@ -64,6 +64,7 @@ class Node:
         gc_horizon: float = gc.DEFAULT_HORIZON,
         keyring: Keyring | None = None,
         outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
+        outage_timeout: float = DEFAULT_OUTAGE,
         nonces: Callable[[], str] = new_nonce,
         rules: Rules = RULES,
     ) -> None:
@@ -95,8 +96,15 @@ class Node:
         self.algorithm = algorithm
         self.node = learner_id
         self.clock = clock
+        if not outage_timeout >= 0:
+            raise ValueError(f"outage_timeout must be >= 0 seconds, got {outage_timeout}")
         self.exchange = Exchange(
-            mailbox, clock, node=learner_id, on_event=on_event, keyring=keyring
+            mailbox,
+            clock,
+            node=learner_id,
+            on_event=on_event,
+            keyring=keyring,
+            outage=outage_timeout,
         )
         self.on_event = on_event
         self.process = nonces()

@@ -24,6 +24,7 @@ from gradientmail.mailboxes._protocol import (
     MailboxError,
     ObjectInfo,
     RequestStats,
+    StoreUnavailable,
     TransientMailboxError,
 )
 from gradientmail.mailboxes._urls import mailbox_from_url
@@ -41,6 +42,7 @@ __all__ = [
     "ObjectInfo",
     "ObjectStoreMailbox",
     "RequestStats",
+    "StoreUnavailable",
     "TransientMailboxError",
     "mailbox_from_url",
 ]

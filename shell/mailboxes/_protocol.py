@@ -27,6 +27,7 @@ __all__ = [
     "MailboxError",
     "ObjectInfo",
     "RequestStats",
+    "StoreUnavailable",
     "TransientMailboxError",
     "validate_key",
     "validate_prefix",
@@ -67,6 +68,20 @@ class TransientMailboxError(MailboxError):
     A write that raises this may or may not have landed; ``put`` is idempotent, and a retried
     ``create`` that returns False should be read back (its data carries the writer's nonce).
     """
+
+
+class StoreUnavailable(MailboxError):
+    """Every try of a request failed transiently for longer than the node's outage limit
+    (``Session(outage_timeout=...)``): the store is taken to be gone, and the node stops.
+
+    Attributes beyond ``MailboxError``'s: ``seconds`` the request kept failing, ``tries``."""
+
+    def __init__(
+        self, message: str, *, store: str, key: str, operation: str, seconds: float, tries: int
+    ) -> None:
+        self.seconds = seconds
+        self.tries = tries
+        super().__init__(message, store=store, key=key, operation=operation)
 
 
 class BadKey(MailboxError, ValueError):

@@ -55,8 +55,10 @@ class RunReader:
 
     def __init__(self, mailbox: Mailbox, clock: Clock, name: str, keyring: Keyring | None) -> None:
         self.rejections = Rejections()
+        # An operator's command fails fast on a store that does not answer (about 3 s of
+        # backoff), where a node waits out an outage.
         self.exchange = Exchange(
-            mailbox, clock, node=name, on_event=self.rejections, keyring=keyring
+            mailbox, clock, node=name, on_event=self.rejections, keyring=keyring, retries=6
         )
         self.sources = SecretSources(
             reader=name,
