@@ -93,7 +93,9 @@ class Joiner(Executor):
         assert self._adapter is not None
         tensors = self._adapter.read(write.names)
         key = keys.init(write.fragment, self._nonces())
-        ref = await self._exchange.write_payload(key, tensors, self._compression)
+        # Not remembered: a fragment's first close reads it once, and until then its bytes
+        # would be held beside the model (up to the exchange's whole budget).
+        ref = await self._exchange.write_payload(key, tensors, self._compression, remember=False)
         return InitWritten(fragment=write.fragment, ref=ref)
 
     async def _create_manifest(self, create: CreateManifest) -> Result:
