@@ -2,17 +2,19 @@
 
 The exchange makes no protocol decision. It turns records into envelopes and back, verifies
 every payload's SHA-256 before a byte of it is used, retries transient mailbox errors with
-exponential backoff on the node's clock, and resolves a create whose outcome it could not see
-by reading the object back (the record carries the writer's nonce, Decision 9).
+capped, jittered backoff on the node's clock until the node's outage limit, and resolves a
+create whose outcome it could not see by reading the object back (the record carries the
+writer's nonce, Decision 9).
 
-It remembers the tensors of the payloads it wrote most recently (up to ``written_cache``
-bytes), so that reading one back, as a closer's learner does with the commit it just wrote and
-a closer does with the outer state it wrote the fragment's round before, needs no request: a
-payload is named by its key, SHA-256 and size, and the remembered tensors are the ones whose
-bytes had that digest (docs/decisions.md, "A node reads its own payloads from memory"). It
-remembers the snapshots it published the same way, but a snapshot is always read from the store:
-only when the stored bytes equal the published ones are the remembered record and tensors used
-in place of checking and parsing them again.
+It remembers the tensors of payloads it wrote, when the writer asks (up to ``written_cache``
+bytes, oldest out first), so that reading one back needs no request: a payload is named by its
+key, SHA-256 and size, and the remembered tensors are the ones whose bytes had that digest
+(docs/decisions.md, "A node reads its own payloads from memory"). A node's syncer and joiner do
+not ask (the syncer keeps its outer state and hands its learner the parameters, as tensors).
+It remembers the snapshots it published the same way, a quantized one with its tensors, an
+unquantized one's bytes alone when they are small; a snapshot is always read from the store:
+only when the stored bytes equal the published ones is what it remembers used in place of
+checking and parsing them again.
 """
 
 from __future__ import annotations
