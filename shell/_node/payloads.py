@@ -113,15 +113,21 @@ async def read_outer_state(
 
 
 async def read_base(
-    exchange: Exchange, backend: Backend, manifest: Manifest, fragment: int, before: Commit | None
+    exchange: Exchange,
+    backend: Backend,
+    manifest: Manifest,
+    fragment: int,
+    before: Commit | None,
+    master: Tensors | None = None,
 ) -> tuple[Tensors, Tensors | None] | None:
     """The F32 master parameters and momentum an outer step of ``fragment`` starts from: those
     ``before``, the fragment's previous commit, left (``read_outer_state``), or for the
     fragment's first round (``before`` None) its initial parameters cast to F32 and no momentum.
-    None when a payload is gone (collected)."""
+    None when a payload is gone (collected). ``master``: ``before``'s F32 parameters, when the
+    caller holds them (``read_outer_state``)."""
     schema = manifest.fragment_schema(fragment)
     if before is not None:
-        return await read_outer_state(exchange, backend, before, schema)
+        return await read_outer_state(exchange, backend, before, schema, master=master)
     init = await read_fragment(exchange, manifest.init[fragment], schema)
     if init is None:
         return None

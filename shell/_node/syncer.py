@@ -31,13 +31,7 @@ from gradientmail._node.drive import Inbox, Loop
 from gradientmail._node.exchange import Exchange
 from gradientmail._node.handoff import Handover
 from gradientmail._node.learner import UNTRUSTED, read_commit
-from gradientmail._node.payloads import (
-    add_to_sum,
-    outer_state,
-    read_base,
-    read_outer_state,
-    scaled,
-)
+from gradientmail._node.payloads import add_to_sum, outer_state, read_base, scaled
 from gradientmail.adapters.base import Backend, Tensors
 from gradientmail.core import effects as fx
 from gradientmail.core import keys, syncer
@@ -242,31 +236,21 @@ class SyncerLoop(Loop[syncer.SyncerState]):
     async def _read_outer_state(self, read: fx.ReadOuterState) -> fx.Result:
         base, k = read.base, read.fragment
         kept = self._kept.get(k)
-        found: Tensors | None = None
-        if (
+        ours = (
             base is not None
             and kept is not None
-            and (kept.nonce, kept.round)
-            == (
-                base.nonce,
-                base.round,
-            )
-        ):
-            found = kept.base()  # our own commit: what it stored
+            and (kept.nonce, kept.round) == (base.nonce, base.round)
+        )
+        found = kept.base() if kept is not None and ours else None  # our own commit's
         master: Tensors
         momentum: Tensors | None
         if found is not None and kept is not None and kept.momentum is not None:
             master, momentum = found, kept.momentum
-        else:
-            state: tuple[Tensors, Tensors | None] | None
+        else:  # from the store: the momentum only, when the master is in hand
             try:
-                if found is not None and base is not None:  # the master in hand: the momentum
-                    schema = self._manifest.fragment_schema(k)
-                    state = await read_outer_state(
-                        self._exchange, self._backend, base, schema, master=found
-                    )
-                else:
-                    state = await read_base(self._exchange, self._backend, self._manifest, k, base)
+                state = await read_base(
+                    self._exchange, self._backend, self._manifest, k, base, master=found
+                )
             except UNTRUSTED as exc:
                 return fx.BaseRead(round=read.round, present=False, rejected=str(exc))
             if state is None:
