@@ -5,6 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= torch,mlx,s3,zstd,demo,bench,dev
 PYTEST_ARGS ?=
+AZURITE ?= 3.35.0
 
 .PHONY: demo test venv install lint typecheck clean
 
@@ -12,6 +13,10 @@ $(VENV)/.deps: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q ".[$(EXTRAS)]"
+	@# Azurite, the Azure Blob emulator of the store tests (Node's npm; without it they skip).
+	@if command -v npm >/dev/null; then \
+		npm install --silent --no-audit --no-fund --prefix .node azurite@$(AZURITE); \
+	else echo "npm not found: the Azure store tests will be skipped"; fi
 	touch $@
 
 venv: $(VENV)/.deps
@@ -36,4 +41,4 @@ typecheck: venv
 	PYTHON=$(PY) bash .ci/typecheck
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .node build *.egg-info

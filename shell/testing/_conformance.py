@@ -9,6 +9,7 @@ Run it on your own mailbox the way ``trio.testing.check_two_way_stream`` is run 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import random
 import secrets
 import threading
@@ -40,12 +41,20 @@ class _Context:
     namespace: str
     large_size: int
     racers: int
+    url: str | None
 
     def key(self, name: str) -> str:
         return f"{self.namespace}/{name}"
 
 
-def check_mailbox(factory: Factory, *, large_size: int = 64 * 2**20, racers: int = 16) -> None:
+def check_mailbox(
+    factory: Factory,
+    *,
+    large_size: int = 64 * 2**20,
+    racers: int = 16,
+    url: str | None = None,
+    processes: int = 4,
+) -> None:
     """Check that the mailboxes ``factory`` makes behave as the protocol needs.
 
     Args:
@@ -54,19 +63,27 @@ def check_mailbox(factory: Factory, *, large_size: int = 64 * 2**20, racers: int
             random prefix, and lists only there.
         large_size: bytes of the large-object check (64 MiB matches a real snapshot).
         racers: threads racing to create one key.
+        url: the store's URL, as ``mailbox_from_url`` takes it; with it, ``processes``
+            processes (started fresh, so they share nothing with this one) also race to
+            create keys, each through its own ``mailbox_from_url(url)``.
+        processes: how many racing processes (at least 2) when ``url`` is given.
 
     Raises:
         AssertionError: naming the check and what differed.
     """
-    if large_size < 1 or racers < 2:
-        raise ValueError(f"need large_size >= 1 and racers >= 2, got {large_size}, {racers}")
+    if large_size < 1 or racers < 2 or processes < 2:
+        raise ValueError(
+            "need large_size >= 1, racers >= 2 and processes >= 2, "
+            f"got {large_size}, {racers}, {processes}"
+        )
     namespace = f"conformance-{secrets.token_hex(6)}"
     for check in _CHECKS:
         context = _Context(
             factory=factory,
             namespace=f"{namespace}/{check.__name__.strip('_')}",
             large_size=large_size,
-            racers=racers,
+            racers=processes if check is _check_process_race else racers,
+            url=url,
         )
         try:
             check(context)
@@ -209,6 +226,57 @@ def _check_create_race(context: _Context) -> None:
         assert len(winners) == 1, f"{key}: {len(winners)} creates won, exactly one must"
         stored = _read(context, key)
         assert stored == payloads[winners[0]], f"{key} holds {stored!r}, not the winner's data"
+
+
+def _check_process_race(context: _Context) -> None:
+    """Processes racing to create each of three keys: exactly one wins each."""
+    if context.url is None:
+        return
+    keys = [context.key(f"contended-{n}") for n in range(3)]
+    spawn = multiprocessing.get_context("spawn")  # nothing inherited but the environment
+    barrier, results = spawn.Barrier(context.racers), spawn.Queue()
+    racers = [
+        spawn.Process(target=_create_in_process, args=(context.url, keys, i, barrier, results))
+        for i in range(context.racers)
+    ]
+    for racer in racers:
+        racer.start()
+    try:
+        reported = dict(results.get(timeout=120) for _ in racers)
+    finally:
+        for racer in racers:
+            racer.join(timeout=30)
+    failed = {i: r for i, r in reported.items() if isinstance(r, str)}
+    assert not failed, f"racing processes failed: {failed}"
+    outcomes = [reported[i] for i in range(context.racers)]
+    for n, key in enumerate(keys):
+        winners = [(i, data) for i, (won, data) in enumerate(o[n] for o in outcomes) if won]
+        assert len(winners) == 1, f"{key}: {len(winners)} processes' creates won, exactly one must"
+        stored = _read(context, key)
+        assert stored == winners[0][1], f"{key} holds {stored!r}, not the winning process's data"
+
+
+def _create_in_process(url: str, keys: list[str], racer: int, barrier: Any, results: Any) -> None:
+    """A racing process: creates each key at the barrier; reports (racer, outcomes or error)."""
+    from gradientmail.mailboxes._urls import mailbox_from_url
+
+    async def race() -> list[tuple[bool, bytes]]:
+        mailbox = mailbox_from_url(url)
+        outcomes = []
+        try:
+            for key in keys:
+                data = f"process {racer} {secrets.token_hex(8)}".encode()
+                barrier.wait(timeout=60)
+                outcomes.append((await mailbox.create(key, data), data))
+        finally:
+            await mailbox.close()
+        return outcomes
+
+    try:
+        results.put((racer, asyncio.run(race())))
+    except BaseException as error:
+        results.put((racer, f"{type(error).__name__}: {error}"))
+        barrier.abort()
 
 
 def _read(context: _Context, key: str) -> bytes | None:
@@ -376,6 +444,7 @@ _CHECKS: tuple[Callable[[_Context], None], ...] = (
     _check_put,
     _check_list,
     _check_create_race,
+    _check_process_race,
     _check_large,
     _check_concurrent_readers,
     _check_bad_keys,

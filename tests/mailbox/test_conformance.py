@@ -47,10 +47,15 @@ def test_object_store_mailbox_on_local_store(tmp_path: Path) -> None:
     check_mailbox(lambda: ObjectStoreMailbox(store), large_size=LARGE)
 
 
-@pytest.mark.s3
-def test_object_store_mailbox_on_moto_server(moto_url: str) -> None:
+def test_object_store_mailbox_on_each_cloud_store(store_url: str) -> None:
+    # Each store's local server (moto, the GCS emulator, Azurite), threads and processes racing.
     # moto moves about 10 MB/s through Python; the 64 MiB run is the slow variant below.
-    check_mailbox(lambda: ObjectStoreMailbox(moto_url), large_size=8 * 2**20)
+    check_mailbox(lambda: ObjectStoreMailbox(store_url), large_size=8 * 2**20, url=store_url)
+
+
+def test_directory_mailbox_with_racing_processes(tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 'mailbox'}"
+    check_mailbox(lambda: DirectoryMailbox(tmp_path / "mailbox"), large_size=2**20, url=url)
 
 
 @pytest.mark.slow

@@ -184,8 +184,8 @@ def test_a_race_lost_to_another_writer_stays_lost(moto_url: str) -> None:
 
 
 @pytest.mark.s3
-def test_a_missing_bucket_is_a_setup_error(moto_server_url: str) -> None:
-    parts = urlsplit(moto_server_url)
+def test_a_missing_bucket_is_a_setup_error(s3_server_url: str) -> None:
+    parts = urlsplit(s3_server_url)
     url = urlunsplit(parts._replace(netloc="no-such-bucket"))
     mailbox = ObjectStoreMailbox(url)
     with pytest.raises(MailboxError) as caught:

@@ -26,8 +26,5 @@ def cluster_factory(tmp_path: Path) -> Iterator[type[Cluster]]:
 
 
 @pytest.fixture(scope="session")
-def s3_url() -> Iterator[str]:
-    from gradientmail.testing._s3 import moto_s3
-
-    with moto_s3() as url:
-        yield url
+def s3_url(s3_server_url: str) -> str:
+    return s3_server_url

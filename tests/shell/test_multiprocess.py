@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,6 @@ from gradientmail.adapters import TorchBackend
 from gradientmail.core import keys
 from gradientmail.core.records import Commit
 from gradientmail.testing._audit import audit
-from gradientmail.testing._s3 import with_prefix
 
 ALGORITHM = {"inner_steps": 20, "fragments": 2, "overlap_steps": 1, "grace": 3.0}
 
@@ -81,8 +79,11 @@ def test_four_processes_through_a_directory(tmp_path: Path, cluster_factory: typ
     assert report.recomputed == report.commits  # nothing collected: every commit recomputed
 
 
-def test_through_s3_on_moto(tmp_path: Path, cluster_factory: type[Cluster], s3_url: str) -> None:
-    url = with_prefix(s3_url, f"run-{uuid.uuid4().hex[:8]}")
+def test_through_each_cloud_store(
+    tmp_path: Path, cluster_factory: type[Cluster], store_url: str
+) -> None:
+    # Three processes on moto's S3, the GCS emulator and Azurite in turn (tests/conftest.py).
+    url = store_url
     cluster = cluster_factory(url, tmp_path, ALGORITHM)
     together = "node-0,node-1,last"
     for i in range(2):
