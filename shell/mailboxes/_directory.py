@@ -64,7 +64,9 @@ class DirectoryMailbox:
     """A mailbox whose objects are files under ``root``.
 
     Args:
-        root: the mailbox's directory; created if missing.
+        root: the mailbox's directory. Opening it creates nothing: a missing directory reads
+            as an empty mailbox (so ``gradientmail status`` of a mistyped path leaves no trace)
+            and is created by the first write.
         fsync: flush each object and its directory entry to stable storage before the write
             returns (on by default; off only for throwaway test mailboxes).
         offload: run each file operation in asyncio's default thread pool, so that the event
@@ -87,8 +89,8 @@ class DirectoryMailbox:
         self._fsync = fsync
         self._offload = offload
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            remove_stale_temporaries(self.root, older_than=STALE_TEMP_SECONDS)
+            if self.root.exists():
+                remove_stale_temporaries(self.root, older_than=STALE_TEMP_SECONDS)
         except OSError as error:
             raise MailboxError(str(error), store=self.url, key="", operation="open") from error
 

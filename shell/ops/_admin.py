@@ -99,10 +99,15 @@ async def status(
     clock: Clock | None = None,
     keyring: Keyring | None = None,
     sources: SecretSources | None = None,
+    now: float | None = None,
 ) -> dict[str, Any]:
     """The run's state as plain data: manifest summary, each fragment's newest commit and the
     round open after it (with its reporters and claims), nodes and their leases, bytes stored,
     and the objects read that no node would use (``"rejected"``: key and reason).
+
+    Each node's ``age_s`` is the seconds since its lease was last written: ``now`` (Unix
+    seconds, this machine's clock by default) less the store's modification time of the
+    lease, so clock skew between this machine and the store shifts it; never below 0.
 
     With ``watch`` > 0 seconds the leases are read twice, that far apart: a node whose lease
     changed in between is ``live``; one that did not is ``quiet`` (it may be dead or slow).
@@ -155,7 +160,9 @@ async def status(
             state = "unknown"
         else:
             state = "live" if before is None or after is None or before != after else "quiet"
-        nodes.append({"node": node, "state": state, **lease})
+        shown = {name: value for name, value in lease.items() if name != "modified"}
+        age = max(0.0, (time.time() if now is None else now) - lease["modified"])
+        nodes.append({"node": node, "state": state, **shown, "age_s": round(age, 1)})
     stored = await mailbox.list("")
     return {
         "url": mailbox.url,
@@ -224,7 +231,12 @@ def _reason(
 
 async def _leases(exchange: Exchange) -> dict[str, dict[str, Any]]:
     return {
-        node: {"counter": lease.counter, "left": lease.left, "version": info.version}
+        node: {
+            "counter": lease.counter,
+            "left": lease.left,
+            "version": info.version,
+            "modified": info.modified,
+        }
         for node, (lease, info) in (await read_leases(exchange)).items()
     }
 

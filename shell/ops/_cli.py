@@ -174,7 +174,10 @@ def _describe_status(report: dict[str, Any]) -> str:
             + f"; claims {claims}"
         )
     for n in report["nodes"]:
-        lines.append(f"node {n['node']}: {n['state']} (lease counter {n['counter']})")
+        lines.append(
+            f"node {n['node']}: {n['state']} (lease counter {n['counter']}, "
+            f"written {n['age_s']:.1f} s ago)"
+        )
     lines.append(f"{report['objects']} objects, {report['bytes_stored']} bytes stored")
     return "\n".join(lines + _describe_rejected(report["rejected"]))
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gradientmail.mailboxes._directory import TEMP_PREFIX, DirectoryMailbox
-from gradientmail.mailboxes._protocol import MailboxError
+from gradientmail.mailboxes._protocol import MailboxError, ObjectInfo
 
 RACER = """
 import asyncio, json, os, sys
@@ -185,6 +185,20 @@ def test_versions_change_on_every_overwrite(tmp_path: Path) -> None:
 def test_an_unwritable_root_is_a_mailbox_error(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
+    mailbox = DirectoryMailbox(blocker / "mailbox")  # opening creates nothing, so cannot fail
     with pytest.raises(MailboxError) as caught:
-        DirectoryMailbox(blocker / "mailbox")
-    assert caught.value.operation == "open"
+        asyncio.run(mailbox.put("a", b"x"))
+    assert caught.value.operation == "put" and caught.value.key == "a"
+
+
+def test_opening_and_reading_a_missing_directory_creates_nothing(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "run"
+    mailbox = DirectoryMailbox(missing)
+
+    async def read() -> tuple[bytes | None, list[ObjectInfo]]:
+        return await mailbox.get("manifest"), await mailbox.list("")
+
+    assert asyncio.run(read()) == (None, [])
+    assert not (tmp_path / "no").exists()
+    asyncio.run(mailbox.create("rounds/a", b"x"))
+    assert (missing / "rounds" / "a").read_bytes() == b"x"

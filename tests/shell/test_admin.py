@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import pytest
@@ -81,8 +82,11 @@ def test_the_cli_reports_status_and_collects(tmp_path, capsys) -> None:  # type:
     report = json.loads(capsys.readouterr().out)
     assert report["manifest"]["algorithm"]["fragments"] == 2
     assert [n["state"] for n in report["nodes"]] == ["released"]
+    assert 0 <= report["nodes"][0]["age_s"] < 60, "the lease was written seconds ago"
     assert main(["status", url, "--watch", "0"]) == 0
-    assert "fragment 1: newest round" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "fragment 1: newest round" in text
+    assert re.search(r"node \S+: released \(lease counter \d+, written \d+\.\d s ago\)", text)
     # The run just ended: with an hour's horizon nothing is old enough yet, and without one
     # the same rule deletes.
     assert main(["gc", url, "--keep", "1", "--horizon", "3600", "--json"]) == 0
@@ -94,6 +98,8 @@ def test_the_cli_reports_status_and_collects(tmp_path, capsys) -> None:  # type:
     assert "seconds must be finite and >= 0, got '-1'" in capsys.readouterr().err
     assert main(["status", str(tmp_path / "nothing-here")]) == 1
     assert capsys.readouterr().err.startswith("gradientmail: error: ")
+    assert main(["gc", str(tmp_path / "nothing-here")]) == 1
+    assert not (tmp_path / "nothing-here").exists(), "status and gc create nothing"
 
 
 SECRET = b"the admin tests' run secret: 32b"
