@@ -434,7 +434,8 @@ class Exchange:
         *,
         remember: bool = True,
     ) -> PayloadRef:
-        """Write ``tensors`` as the payload at ``key`` (create-only) and return its reference.
+        """Write ``tensors`` as the payload at ``key`` (a key naming the writer's nonce) and
+        return its reference.
         ``remember``: keep the tensors for a read of it (``read_payload``); a writer that keeps
         the tensors itself (the syncer's outer state, the parameters it hands its learner)
         passes False, so that they are not held twice. Lent tensors (``TensorView``) are
@@ -445,8 +446,9 @@ class Exchange:
             payload,
             compression=compression,
         )
-        if not await self.create(key, blob):
-            raise FormatError("payload key already taken (nonce collision)", key=key)
+        # Put, not create: the key holds the writer's fresh nonce, so no other writer names
+        # it, and a put above the mailbox's part size goes in parts (docs/decisions.md).
+        await self.put(key, blob)
         ref = PayloadRef(key=key, digest=payload_digest(payload), size=len(blob))
         copied = {n: t for n, t in tensors.items() if isinstance(t, TensorBytes)}
         if remember and len(copied) == len(tensors):

@@ -16,9 +16,10 @@ create is sent again.
 from __future__ import annotations
 
 import asyncio
+import io
 import random
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
@@ -37,10 +38,18 @@ from gradientmail.mailboxes._protocol import (
 )
 
 if TYPE_CHECKING:
-    from obstore import ObjectMeta
+    from obstore import GetResult, ObjectMeta
     from obstore.store import ClientConfig, ObjectStore, RetryConfig
+    from typing_extensions import Buffer
 
-__all__ = ["CLOUD_SCHEMES", "ObjectStoreMailbox", "open_store"]
+__all__ = [
+    "CLOUD_SCHEMES",
+    "PARTS_IN_FLIGHT",
+    "PART_BYTES",
+    "STREAM_ABOVE",
+    "ObjectStoreMailbox",
+    "open_store",
+]
 
 CLOUD_SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss")
 """URL schemes :class:`ObjectStoreMailbox` opens."""
@@ -68,6 +77,12 @@ _PERMANENT = (
 _RETRYABLE_4XX = {"408", "409", "429"}
 _STATUS = re.compile(r"status code: (\d{3})")
 _STREAM_CHUNK = 8 * 2**20
+PART_BYTES = 16 * 2**20
+"""Parts of a multipart upload (bytes): a ``put`` above this is sent in parts."""
+PARTS_IN_FLIGHT = 4
+"""Parts of one upload sent at once."""
+STREAM_ABOVE = 16 * 2**20
+"""A ``get`` of this many bytes or more streams into its result (bytes)."""
 # What a failed request raises: obstore's errors, and OSError for I/O, connection and timeouts.
 _REQUEST_ERRORS = (obstore_errors.BaseError, OSError)
 
@@ -149,8 +164,10 @@ class ObjectStoreMailbox:
         self._attempts = attempts
 
     async def get(self, key: str) -> bytes | None:
-        """The object's bytes, or None. obstore downloads into one buffer that is copied into
-        ``bytes`` once, so memory peaks at twice the object's size during that copy."""
+        """The object's bytes, or None. An object of ``STREAM_ABOVE`` bytes or more streams,
+        on a worker thread, straight into the one ``bytes`` returned (see ``_ChunkReader``), so
+        memory peaks at its size plus one chunk; a smaller one is downloaded whole, then
+        copied into ``bytes``."""
         validate_key(key, store=self.url, operation="get")
         return await self._retry("get", key, lambda: self._get(key))
 
@@ -196,7 +213,11 @@ class ObjectStoreMailbox:
         received = 0
         try:
             result = await obstore.get_async(self._store, key)
-            data = (await result.bytes_async()).to_bytes()
+            size = result.meta["size"]
+            if size >= STREAM_ABOVE:
+                data = await asyncio.to_thread(_read_stream, result, size)
+            else:
+                data = (await result.bytes_async()).to_bytes()
             received = len(data)
             return data
         except FileNotFoundError as error:
@@ -206,8 +227,12 @@ class ObjectStoreMailbox:
             self.stats.count("get", bytes_in=received)
 
     async def _put(self, key: str, data: bytes) -> None:
+        # Above PART_BYTES obstore uploads in parts (multipart upload, block list), sending
+        # slices of `data` without copying it whole; an interrupted upload leaves no object.
         self.stats.count("put", bytes_out=len(data))
-        await obstore.put_async(self._store, key, data)
+        await obstore.put_async(
+            self._store, key, data, chunk_size=PART_BYTES, max_concurrency=PARTS_IN_FLIGHT
+        )
 
     async def _create(self, key: str, data: bytes) -> bool:
         self.stats.count("create", bytes_out=len(data))
@@ -289,6 +314,39 @@ class ObjectStoreMailbox:
             raise MailboxError(
                 "the bucket does not exist", store=self.url, key=key, operation=operation
             ) from error
+
+
+class _ChunkReader(io.RawIOBase):
+    """A raw reader over a download's chunks, for ``io.BufferedReader.read(size)``: that call
+    allocates the ``bytes`` it returns once, at full size, and has this reader fill it in
+    place (``readinto``), so the object is never held twice."""
+
+    def __init__(self, chunks: Iterator[Buffer]) -> None:
+        self._chunks = chunks
+        self._pending = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Buffer) -> int:
+        if not self._pending:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return 0
+            self._pending = memoryview(chunk).cast("B")
+        out = memoryview(buffer).cast("B")
+        n = min(len(out), len(self._pending))
+        out[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+
+def _read_stream(result: GetResult, size: int) -> bytes:
+    chunks = iter(result.stream(min_chunk_size=_STREAM_CHUNK))
+    data = io.BufferedReader(_ChunkReader(chunks), buffer_size=_STREAM_CHUNK).read(size)
+    if len(data) != size:
+        raise OSError(f"the download ended after {len(data)} of {size} bytes")
+    return data
 
 
 def _wanted(key: str, prefix: str, after: str | None) -> bool:
