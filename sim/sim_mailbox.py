@@ -132,7 +132,7 @@ class SimMailbox:
         if delay > 0:
             await self._clock.sleep(delay)
 
-    async def get(self, key: str) -> bytes | None:
+    async def get(self, key: str, *, limit: int | None = None) -> bytes | None:
         if self.naive and key.endswith("/commit") and key.startswith("rounds/"):
             listed = await self.list(key[: -len("commit")])
             if all(info.key != key for info in listed):
@@ -140,7 +140,7 @@ class SimMailbox:
         await self._travel()
         self._count("get", key)
         self._observer.read(self, key)
-        data = await self._inner.get(key)
+        data = await self._inner.get(key, limit=limit)
         await self._travel()
         return data
 

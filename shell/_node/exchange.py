@@ -34,7 +34,14 @@ from gradientmail._events import Callback, Rejected, Retried
 from gradientmail.core import keys
 from gradientmail.core.codecs import Compression, compress_parts, decompress
 from gradientmail.core.effects import Created
-from gradientmail.core.envelope import Payload, payload_digest, seal, unseal
+from gradientmail.core.envelope import (
+    HEADER_BYTES,
+    MAX_RECORD_BYTES,
+    Payload,
+    payload_digest,
+    seal,
+    unseal,
+)
 from gradientmail.core.errors import FormatError
 from gradientmail.core.records import (
     Claim,
@@ -55,6 +62,7 @@ from gradientmail.mailboxes._protocol import (
     Mailbox,
     ObjectInfo,
     StoreUnavailable,
+    TooLarge,
     TransientMailboxError,
 )
 
@@ -64,6 +72,14 @@ DEFAULT_OUTAGE = 1800.0
 """Seconds a request may keep failing transiently before the node stops (``StoreUnavailable``):
 long enough for a store's or a network's usual incidents, during which training goes on up to
 the overlap bound, and short enough that a store that is gone ends the run in the same hour."""
+
+
+RECORD_OBJECT_BOUND = HEADER_BYTES + MAX_RECORD_BYTES
+"""The most bytes a read of a manifest or commit record transfers: the largest envelope that
+holds a record and no payload. A larger object at such a key (a squatter's, a corrupt one)
+costs one request and this many bytes at most, however large it is."""
+HEAD_BOUND = 64
+"""The most bytes a read of an advisory ``heads/`` object transfers (a round number)."""
 
 
 def _jitter(node: str, key: str, attempt: int) -> float:
@@ -191,8 +207,10 @@ class Exchange:
                 await self.clock.sleep(wait)
                 delay *= 2
 
-    async def get(self, key: str) -> bytes | None:
-        return await self._retry("get", key, lambda: self.mailbox.get(key))
+    async def get(self, key: str, *, limit: int | None = None) -> bytes | None:
+        """The object at ``key`` (None if absent); ``limit`` as ``Mailbox.get``: a larger
+        object raises ``TooLarge`` having cost one request and at most ``limit`` bytes."""
+        return await self._retry("get", key, lambda: self.mailbox.get(key, limit=limit))
 
     async def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
         await self._retry("put", key, lambda: self.mailbox.put(key, data, durable=durable))
@@ -235,7 +253,10 @@ class Exchange:
     async def _nonce_at(self, key: str) -> str | None:
         """The nonce of the record at ``key``, read without its signature checked (an identity
         check: only our own nonce matters, and nobody else can know it); None if unreadable."""
-        blob = await self.get(key)
+        try:
+            blob = await self.get(key, limit=RECORD_OBJECT_BOUND)
+        except TooLarge:
+            return None  # not a record, so not ours
         if blob is None:
             return None
         try:
@@ -271,10 +292,16 @@ class Exchange:
     ) -> bytes:
         return seal(to_bytes(record, self.keyring), payload, compression=compression)
 
-    async def _record(self, key: str, kind: type[R], *, verify: bool = True) -> R | None:
-        """The record at ``key``, None when absent; a corrupt object, or in a signed run an
-        unsigned or badly signed one, raises ``FormatError``."""
-        blob = await self.get(key)
+    async def _record(
+        self, key: str, kind: type[R], *, verify: bool = True, limit: int = RECORD_OBJECT_BOUND
+    ) -> R | None:
+        """The record at ``key``, None when absent; a corrupt object, one above ``limit``
+        bytes (not downloaded), or in a signed run an unsigned or badly signed one, raises
+        ``FormatError``."""
+        try:
+            blob = await self.get(key, limit=limit)
+        except TooLarge as exc:
+            raise FormatError(oversized(exc.size, limit) or "oversized", key=key) from None
         if blob is None:
             return None
         verifier = self.keyring if verify else None
@@ -334,7 +361,7 @@ class Exchange:
             self.reject(key, too_big)
             return None
         try:
-            claim = await self._record(key, Claim)
+            claim = await self._record(key, Claim, limit=RECORD_BOUND)
         except FormatError as exc:
             self.reject(key, str(exc))
             return None
@@ -462,7 +489,13 @@ class Exchange:
         remembered = self._recall_written(ref)
         if remembered is not None:
             return remembered
-        blob = await self.get(ref.key)
+        try:
+            blob = await self.get(ref.key, limit=ref.size)
+        except TooLarge as exc:
+            raise FormatError(
+                f"payload is {exc.size} bytes, its record says {ref.size}; not downloaded",
+                key=ref.key,
+            ) from None
         if blob is None:
             return None
         if len(blob) != ref.size:
@@ -536,7 +569,7 @@ class Exchange:
         await self.put(keys.lease(lease.node), self._seal(lease), durable=False)
 
     async def lease(self, node: str) -> Lease | None:
-        return await self._record(keys.lease(node), Lease)
+        return await self._record(keys.lease(node), Lease, limit=RECORD_BOUND)
 
     async def lease_infos(self) -> dict[str, ObjectInfo]:
         """Every lease's listing entry (version and size) from one LIST of ``leases/``;
@@ -558,7 +591,11 @@ class Exchange:
 
     async def head(self, fragment: int) -> int | None:
         """The advisory newest commit round of ``fragment`` (may be stale or absent)."""
-        blob = await self.get(keys.head(fragment))
+        try:
+            blob = await self.get(keys.head(fragment), limit=HEAD_BOUND)
+        except TooLarge as exc:
+            self.reject(keys.head(fragment), str(oversized(exc.size, HEAD_BOUND)))
+            return None
         if blob is None:
             return None
         try:

@@ -25,6 +25,7 @@ from gradientmail.mailboxes._protocol import (
     ObjectInfo,
     RequestStats,
     StoreUnavailable,
+    TooLarge,
     TransientMailboxError,
 )
 from gradientmail.mailboxes._urls import mailbox_from_url
@@ -43,6 +44,7 @@ __all__ = [
     "ObjectStoreMailbox",
     "RequestStats",
     "StoreUnavailable",
+    "TooLarge",
     "TransientMailboxError",
     "mailbox_from_url",
 ]

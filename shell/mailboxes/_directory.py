@@ -28,6 +28,7 @@ from gradientmail.mailboxes._protocol import (
     MailboxError,
     ObjectInfo,
     RequestStats,
+    TooLarge,
     TransientMailboxError,
     is_valid_key,
     validate_key,
@@ -94,9 +95,12 @@ class DirectoryMailbox:
         except OSError as error:
             raise MailboxError(str(error), store=self.url, key="", operation="open") from error
 
-    async def get(self, key: str) -> bytes | None:
+    async def get(self, key: str, *, limit: int | None = None) -> bytes | None:
         path = self._path(key, "get")
-        data = await self._run("get", key, _read_file, path)
+        data = await self._run("get", key, _read_file, path, limit)
+        if isinstance(data, int):
+            self.stats.count("get")
+            raise TooLarge(store=self.url, key=key, size=data, limit=limit or 0)
         self.stats.count("get", bytes_in=0 if data is None else len(data))
         return data
 
@@ -250,9 +254,15 @@ def _remove(path: str) -> None:
         return
 
 
-def _read_file(path: str) -> bytes | None:
+def _read_file(path: str, limit: int | None) -> bytes | int | None:
+    """The file's bytes; None if missing; its size (an int) if that is above ``limit``. An
+    open file keeps its content: writers replace files by renaming, never in place."""
     try:
         with open(path, "rb") as file:
+            if limit is not None:
+                size = os.fstat(file.fileno()).st_size
+                if size > limit:
+                    return size
             return file.read()
     except _MISSING:
         return None

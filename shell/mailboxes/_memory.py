@@ -19,6 +19,7 @@ from gradientmail._clock import Clock, MonotonicClock
 from gradientmail.mailboxes._protocol import (
     ObjectInfo,
     RequestStats,
+    TooLarge,
     TransientMailboxError,
     validate_key,
     validate_prefix,
@@ -144,12 +145,15 @@ class MemoryMailbox:
         """Another handle on this store, with its own stats, faults and clock."""
         return MemoryMailbox(self.url, faults=faults, clock=clock, _store=self._store)
 
-    async def get(self, key: str) -> bytes | None:
+    async def get(self, key: str, *, limit: int | None = None) -> bytes | None:
         validate_key(key, store=self.url, operation="get")
         await self._enter("get", key)
         with self._store.lock:
             entry = self._store.objects.get(key)
         data = None if entry is None else entry.data
+        if data is not None and limit is not None and len(data) > limit:
+            self.stats.count("get")
+            raise TooLarge(store=self.url, key=key, size=len(data), limit=limit)
         self.stats.count("get", bytes_in=0 if data is None else len(data))
         return data
 

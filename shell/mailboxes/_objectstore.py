@@ -31,6 +31,7 @@ from gradientmail.mailboxes._protocol import (
     MailboxError,
     ObjectInfo,
     RequestStats,
+    TooLarge,
     TransientMailboxError,
     is_valid_key,
     validate_key,
@@ -163,13 +164,13 @@ class ObjectStoreMailbox:
         self.stats = RequestStats()
         self._attempts = attempts
 
-    async def get(self, key: str) -> bytes | None:
+    async def get(self, key: str, *, limit: int | None = None) -> bytes | None:
         """The object's bytes, or None. An object of ``STREAM_ABOVE`` bytes or more streams,
         on a worker thread, straight into the one ``bytes`` returned (see ``_ChunkReader``), so
         memory peaks at its size plus one chunk; a smaller one is downloaded whole, then
         copied into ``bytes``."""
         validate_key(key, store=self.url, operation="get")
-        return await self._retry("get", key, lambda: self._get(key))
+        return await self._retry("get", key, lambda: self._get(key, limit))
 
     async def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
         validate_key(key, store=self.url, operation="put")
@@ -209,11 +210,13 @@ class ObjectStoreMailbox:
             await asyncio.sleep(0.1 * 2**attempt * (0.5 + random.random()))
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    async def _get(self, key: str) -> bytes | None:
+    async def _get(self, key: str, limit: int | None) -> bytes | None:
         received = 0
         try:
-            result = await obstore.get_async(self._store, key)
-            size = result.meta["size"]
+            result = await self._open(key, limit)
+            size = result.meta["size"]  # the whole object's, also for a ranged GET
+            if limit is not None and size > limit:
+                raise TooLarge(store=self.url, key=key, size=size, limit=limit)
             if size >= STREAM_ABOVE:
                 data = await asyncio.to_thread(_read_stream, result, size)
             else:
@@ -225,6 +228,18 @@ class ObjectStoreMailbox:
             return None
         finally:
             self.stats.count("get", bytes_in=received)
+
+    async def _open(self, key: str, limit: int | None) -> GetResult:
+        """A GET of ``key``; with ``limit``, of its first ``limit`` bytes (an empty object
+        answers such a range with an error, and is fetched whole, which costs nothing)."""
+        if limit is None or limit < 1:
+            return await obstore.get_async(self._store, key)
+        try:
+            return await obstore.get_async(self._store, key, options={"range": (0, limit)})
+        except FileNotFoundError:
+            raise
+        except _REQUEST_ERRORS:
+            return await obstore.get_async(self._store, key)
 
     async def _put(self, key: str, data: bytes) -> None:
         # Above PART_BYTES obstore uploads in parts (multipart upload, block list), sending

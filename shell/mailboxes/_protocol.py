@@ -28,6 +28,7 @@ __all__ = [
     "ObjectInfo",
     "RequestStats",
     "StoreUnavailable",
+    "TooLarge",
     "TransientMailboxError",
     "validate_key",
     "validate_prefix",
@@ -82,6 +83,24 @@ class StoreUnavailable(MailboxError):
         self.seconds = seconds
         self.tries = tries
         super().__init__(message, store=store, key=key, operation=operation)
+
+
+class TooLarge(MailboxError):
+    """The object at ``key`` is larger than the ``limit`` its reader gave ``get``; at most
+    ``limit`` bytes of it were transferred.
+
+    Attributes beyond ``MailboxError``'s: ``size`` (bytes; at least ``limit + 1``, the whole
+    object's size where the store says it) and ``limit``."""
+
+    def __init__(self, *, store: str, key: str, size: int, limit: int) -> None:
+        self.size = size
+        self.limit = limit
+        super().__init__(
+            f"object of {size} bytes exceeds the bound of {limit} bytes; not downloaded",
+            store=store,
+            key=key,
+            operation="get",
+        )
 
 
 class BadKey(MailboxError, ValueError):
@@ -218,8 +237,12 @@ class Mailbox(Protocol):
     stats: RequestStats
     """Requests sent through this handle."""
 
-    async def get(self, key: str) -> bytes | None:
-        """The object's bytes, or None if there is no object at ``key``. Never partial."""
+    async def get(self, key: str, *, limit: int | None = None) -> bytes | None:
+        """The object's bytes, or None if there is no object at ``key``. Never partial.
+
+        ``limit`` (bytes): an object larger than this raises :class:`TooLarge` after at most
+        ``limit`` bytes of it were transferred (a ranged GET, or the file's size read first),
+        so a reader bounds what a hostile or corrupt object can cost it."""
         ...
 
     async def put(self, key: str, data: bytes, *, durable: bool = True) -> None:

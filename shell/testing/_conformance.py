@@ -18,7 +18,13 @@ from typing import Any, TypeVar
 
 import attrs
 
-from gradientmail.mailboxes._protocol import BadKey, Mailbox, ObjectInfo, RequestStats
+from gradientmail.mailboxes._protocol import (
+    BadKey,
+    Mailbox,
+    ObjectInfo,
+    RequestStats,
+    TooLarge,
+)
 
 __all__ = ["BAD_KEYS", "BAD_PREFIXES", "check_mailbox"]
 
@@ -226,6 +232,33 @@ def _check_create_race(context: _Context) -> None:
         assert len(winners) == 1, f"{key}: {len(winners)} creates won, exactly one must"
         stored = _read(context, key)
         assert stored == payloads[winners[0]], f"{key} holds {stored!r}, not the winner's data"
+
+
+def _check_limit(context: _Context) -> None:
+    """``get(key, limit=n)``: the object if it has at most n bytes, else ``TooLarge`` having
+    counted no more than n bytes in; None for a missing key; an empty object is no error."""
+    small, empty, missing = context.key("small"), context.key("empty"), context.key("missing")
+    data = secrets.token_bytes(100)
+
+    async def body(mailbox: Mailbox) -> None:
+        await mailbox.put(small, data)
+        await mailbox.put(empty, b"")
+        assert await mailbox.get(small, limit=100) == data
+        assert await mailbox.get(small, limit=10_000) == data
+        assert await mailbox.get(empty, limit=10) == b""
+        assert await mailbox.get(missing, limit=10) is None
+        received = mailbox.stats.snapshot()["bytes_in"]
+        try:
+            await mailbox.get(small, limit=40)
+        except TooLarge as error:
+            assert (error.key, error.limit) == (small, 40), (error.key, error.limit)
+            assert error.size > 40, f"TooLarge names size {error.size}"
+        else:
+            raise AssertionError("get(limit=40) of a 100-byte object raised no TooLarge")
+        read = mailbox.stats.snapshot()["bytes_in"] - received
+        assert read <= 40, f"get(limit=40) counted {read} bytes in"
+
+    _run(context, body)
 
 
 def _check_process_race(context: _Context) -> None:
@@ -446,6 +479,7 @@ _CHECKS: tuple[Callable[[_Context], None], ...] = (
     _check_create_race,
     _check_process_race,
     _check_large,
+    _check_limit,
     _check_concurrent_readers,
     _check_bad_keys,
     _check_stats,

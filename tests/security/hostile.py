@@ -43,9 +43,9 @@ class HostileMailbox:
         self.fetched: list[str] = []  # every key an honest node GETs
         self._rounds: set[int] = set()
 
-    async def get(self, key: str) -> bytes | None:
+    async def get(self, key: str, *, limit: int | None = None) -> bytes | None:
         self.fetched.append(key)
-        return await self.inner.get(key)
+        return await self.inner.get(key, limit=limit)
 
     async def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
         await self.inner.put(key, data, durable=durable)

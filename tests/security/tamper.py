@@ -43,8 +43,8 @@ class TamperingMailbox:
     def corrupt_reads(self, pattern: str, transform: Transform, *, times: int) -> None:
         self.on_get.append((re.compile(pattern), transform, [times]))
 
-    async def get(self, key: str) -> bytes | None:
-        data = await self.inner.get(key)
+    async def get(self, key: str, *, limit: int | None = None) -> bytes | None:
+        data = await self.inner.get(key, limit=limit)
         for pattern, transform, left in self.on_get:
             if data is not None and left[0] > 0 and pattern.fullmatch(key):
                 left[0] -= 1

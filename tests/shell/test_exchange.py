@@ -230,3 +230,28 @@ def test_a_lone_node_remembers_only_the_newest_commit_of_each_fragment(tmp_path:
     assert all(k.base() is not None for k in kept.values()), "the learner's base, shared"
     assert node.syncer._held() == model_bytes  # one F32 momentum of each fragment
     assert node.exchange.remembered_bytes <= model_bytes
+
+
+@pytest.mark.parametrize("where", ["memory", "directory"])
+def test_an_oversized_object_at_a_record_key_costs_one_bounded_read(
+    where: str, tmp_path: Path
+) -> None:
+    """A 64 MiB object squatting the next commit key, the manifest or a head: each read of it
+    is one request that transfers at most the record bound, and it is rejected unread."""
+    from gradientmail.mailboxes._directory import DirectoryMailbox
+
+    mailbox = MemoryMailbox() if where == "memory" else DirectoryMailbox(tmp_path / "run")
+    huge = b"\x00" * (64 * 2**20)
+    for key in (keys.commit(7), keys.MANIFEST, keys.head(0)):
+        asyncio.run(mailbox.put(key, huge))
+    exchange = Exchange(mailbox, MonotonicClock())
+    before = mailbox.stats.snapshot()
+    for _ in range(3):  # a learner polls the next commit key again and again
+        with pytest.raises(FormatError, match="not downloaded"):
+            asyncio.run(exchange.commit(7))
+    with pytest.raises(FormatError, match="not downloaded"):
+        asyncio.run(exchange.manifest())
+    assert asyncio.run(exchange.head(0)) is None
+    after = mailbox.stats.snapshot()
+    assert after["get"] - before["get"] == 5, "one request a read"
+    assert after["bytes_in"] - before["bytes_in"] == 0, "nothing of the 64 MiB downloaded"

@@ -48,9 +48,9 @@ class Down:
                 "connection refused", store="down://", key=key, operation=operation
             )
 
-    async def get(self, key: str) -> bytes | None:
+    async def get(self, key: str, *, limit: int | None = None) -> bytes | None:
         self._check("get", key)
-        return await self.inner.get(key)
+        return await self.inner.get(key, limit=limit)
 
     async def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
         self._check("put", key)

@@ -131,8 +131,8 @@ class SlowCommits:
         self._inner, self._delay = inner, delay
         self.url, self.stats = inner.url, inner.stats
 
-    async def get(self, key: str) -> bytes | None:
-        return await self._inner.get(key)
+    async def get(self, key: str, *, limit: int | None = None) -> bytes | None:
+        return await self._inner.get(key, limit=limit)
 
     async def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
         await self._inner.put(key, data, durable=durable)
