@@ -146,9 +146,6 @@ class RoundWatch:
     quorum_since: float | None = None
     open_since: float | None = None
     claim_seen: tuple[tuple[int, float], ...] = ()
-    reported_since: float | None = None
-    """When this node first saw a snapshot of the round (a fragment's first round waits for
-    a lease poll no older than that)."""
 
     def seen(self, attempt: int) -> float | None:
         return dict(self.claim_seen).get(attempt)
@@ -256,21 +253,6 @@ def _closable(
     reporters = set(view.reporters)
     if not reporters:
         return watch, Wait(until=None, reason=f"round {view.round} has no snapshot yet")
-    if view.previous_reporters is None:
-        # A fragment's first round expects every active node, so its lease view must be no
-        # older than the round's first snapshot: one polled before the other nodes joined
-        # would expect the closer alone, and close the round on its own snapshot.
-        if watch.reported_since is None:
-            watch = attrs.evolve(watch, reported_since=now)
-        assert watch.reported_since is not None
-        if leases.polled_at is None or leases.polled_at < watch.reported_since:
-            return watch, Wait(
-                until=None,
-                reason=(
-                    f"round {view.round} is its fragment's first: waiting for a lease poll "
-                    "newer than its first snapshot"
-                ),
-            )
     active = leases.active(now=now, lease_timeout=lease_timeout)
     if view.previous_reporters is None:
         # A fragment's first round: every active node, and every node seen reporting that the

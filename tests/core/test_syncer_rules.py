@@ -126,27 +126,6 @@ def test_a_first_round_waits_for_every_active_node() -> None:
     assert "2 of quorum 3" in decision.reason and "['c']" in decision.reason
 
 
-def test_a_first_round_waits_for_a_lease_poll_newer_than_its_first_snapshot() -> None:
-    # The closer's lease view dates from before b and c joined: it expects itself alone. The
-    # round must not close on its own snapshot (13 of 30 three-process runs did, issue #21).
-    stale = leases(["a"], now=T0 - 3.0)
-    v = view(0, ["a"])
-    watch, decision = decide(v, RoundWatch(round=0), stale, "a", T0)
-    assert decision == Wait(
-        until=None,
-        reason="round 0 is its fragment's first: waiting for a lease poll newer than its first "
-        "snapshot",
-    )
-    assert watch.reported_since == T0
-    # The next poll, made after the snapshot was seen, lists b and c: the round waits for them.
-    fresh = leases(["a", "b", "c"], now=T0 + 1.0)
-    watch, decision = decide(v, watch, fresh, "a", T0 + 1.0, algo(quorum=3))
-    assert isinstance(decision, Wait) and "['b', 'c']" in decision.reason
-    # A lease poll at the very moment the snapshot is first seen is new enough.
-    _, decision = decide(v, RoundWatch(round=0), leases(["a"]), "a", T0)
-    assert isinstance(decision, ClaimRound)
-
-
 def test_a_later_round_expects_only_the_previous_rounds_reporters() -> None:
     # c joined after round 0: round 1 does not wait for it.
     ls = leases(["a", "b", "c"])
