@@ -1,0 +1,72 @@
+"""docs/integrations.md's examples, run as written: each code block with only the names it
+leaves to the reader supplied (``MODEL`` and ``DATASET``, ``MODULE`` and ``LOADER``) and its
+mailbox URL pointed at a directory; the model then holds the run's final parameters, as
+``align`` loads them, and what the example saved is that model."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import frameworks_worker
+
+from gradientmail import align, mailbox_from_url
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
+
+
+def block(marker: str) -> tuple[str, str]:
+    """The doc's Python block that contains ``marker``, and the s3:// URL it names."""
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.DOTALL)
+    code = next(b for b in blocks if marker in b)
+    [url] = re.findall(r'"(s3://[^"]+)"', code)
+    return code, url
+
+
+def run(code: str, url: str, tmp_path: Path, names: dict[str, Any]) -> None:
+    run_url = (tmp_path / "run").as_uri()
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # the examples write to relative paths
+    try:
+        exec(compile(code.replace(url, run_url), str(DOC), "exec"), names)
+    finally:
+        os.chdir(cwd)
+
+
+def test_the_hugging_face_example(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    code, url = block("GradientmailCallback(")
+    model = frameworks_worker.gpt2(seed=0)
+    names = {"MODEL": model, "DATASET": frameworks_worker.token_data(0, 160)}
+    run(code, url, tmp_path, names)
+    fresh = frameworks_worker.gpt2(seed=1)
+    assert align(fresh, mailbox=mailbox_from_url((tmp_path / "run").as_uri())) >= 3
+    assert frameworks_worker.digest(fresh) == frameworks_worker.digest(model)
+    from transformers import GPT2LMHeadModel
+
+    saved = GPT2LMHeadModel.from_pretrained(tmp_path / "out" / "final")
+    assert frameworks_worker.digest(saved) == frameworks_worker.digest(model)
+
+
+def test_the_lightning_example(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    code, url = block("lightning.pytorch")
+    module = frameworks_worker.regression(seed=0)
+    x = torch.randn(1280, 8, generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=16
+    )
+    run(code, url, tmp_path, {"MODULE": module, "LOADER": loader})
+    fresh = frameworks_worker.regression(seed=1)
+    assert align(fresh, mailbox=mailbox_from_url((tmp_path / "run").as_uri())) >= 3
+    assert frameworks_worker.digest(fresh) == frameworks_worker.digest(module)
+    saved = torch.load(tmp_path / "final.ckpt", weights_only=False)["state_dict"]
+    assert all(torch.equal(saved[k], v) for k, v in module.state_dict().items())
