@@ -6,16 +6,20 @@ batches a step). Writes its final parameters' digest and losses as JSON to OUT."
 from __future__ import annotations
 
 import argparse
-import asyncio
 import hashlib
 import json
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from gradientmail import DiLoCo, mailbox_from_url
-from gradientmail.core import keys
+sys.path.insert(0, str(Path(__file__).parents[1] / "shell"))
+
+from worker import wait_for  # the shell tests' worker: return once the nodes hold leases
+
+from gradientmail import DiLoCo
 
 ALGORITHM = DiLoCo(inner_steps=10, fragments=2, overlap_steps=1, quorum_size=2, grace=10.0)
 # keep_rounds=None: nothing is collected, so the audit recomputes every commit.
@@ -27,17 +31,6 @@ def digest(model: torch.nn.Module) -> str:
     for name, tensor in sorted(model.state_dict().items()):
         h.update(name.encode() + tensor.detach().contiguous().numpy().tobytes())
     return h.hexdigest()
-
-
-def wait_for(nodes: list[str], url: str, timeout: float = 120.0) -> None:
-    """Return once every node of ``nodes`` holds a lease: they then train from round 0 on."""
-    wanted = {keys.lease(n) for n in nodes}
-    mailbox = mailbox_from_url(url)
-    deadline = time.monotonic() + timeout
-    while not wanted <= {i.key for i in asyncio.run(mailbox.list(keys.LEASES))}:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"nodes {sorted(nodes)} did not all join within {timeout} s")
-        time.sleep(0.02)
 
 
 def gpt2(seed: int) -> Any:

@@ -3,7 +3,6 @@ as two node processes through a directory mailbox, audited."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -15,11 +14,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import frameworks_worker
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "shell"))
+
+from test_multiprocess import commits  # every commit record of a run
+
 from gradientmail import align, mailbox_from_url
-from gradientmail._clock import MonotonicClock
-from gradientmail._node.exchange import Exchange
 from gradientmail.adapters import TorchBackend
-from gradientmail.core import keys
 from gradientmail.testing._audit import audit
 
 WORKER = Path(__file__).with_name("frameworks_worker.py")
@@ -28,17 +28,7 @@ STEPS = 40
 
 
 def included(url: str) -> list[set[str]]:
-    async def read() -> list[set[str]]:
-        exchange = Exchange(mailbox_from_url(url), MonotonicClock())
-        found = []
-        for key in await exchange.list_keys("rounds/"):
-            if key.endswith("/commit"):
-                commit = await exchange.commit(keys.parse(key).round or 0)
-                assert commit is not None
-                found.append({i.node for i in commit.included})
-        return found
-
-    return asyncio.run(read())
+    return [{i.node for i in commit.included} for commit in commits(url)]
 
 
 def run_two_nodes(framework: str, tmp_path: Path) -> tuple[str, list[dict]]:
