@@ -236,9 +236,9 @@ class ObjectStoreMailbox:
             return await obstore.get_async(self._store, key)
         try:
             return await obstore.get_async(self._store, key, options={"range": (0, limit)})
-        except FileNotFoundError:
-            raise
-        except _REQUEST_ERRORS:
+        except obstore_errors.BaseError as error:
+            if not _range_refused(error):
+                raise  # anything else is the request's failure, for the caller to map
             return await obstore.get_async(self._store, key)
 
     async def _put(self, key: str, data: bytes) -> None:
@@ -362,6 +362,13 @@ def _read_stream(result: GetResult, size: int) -> bytes:
     if len(data) != size:
         raise OSError(f"the download ended after {len(data)} of {size} bytes")
     return data
+
+
+def _range_refused(error: BaseException) -> bool:
+    """Whether a ranged GET failed for its range (HTTP 416, or a local store's "invalid
+    range"), as on an empty object; not for a failure of the request itself."""
+    status = _STATUS.search(str(error))
+    return (status is not None and status[1] == "416") or "range" in _first_line(error).lower()
 
 
 def _wanted(key: str, prefix: str, after: str | None) -> bool:
