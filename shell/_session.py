@@ -221,6 +221,23 @@ class Session:
             raise ProtocolError("step() after close()")
         run_sync(self._node.step(samples))
 
+    def wait_for_nodes(self, count: int, *, timeout: float = 600.0) -> list[str]:
+        """Block until this node sees ``count`` active nodes in the run, itself included, and
+        return their ids (sorted): a start barrier for a run launched as ``count`` nodes at
+        once, so that every round, the first of each fragment too, expects all of them.
+
+        Without it, a node that starts training before the others have joined closes its
+        first rounds alone (a round waits only for the nodes its closer knows of). Returns
+        at most ``lease_every / 2`` seconds after the last node joined (the view is refreshed
+        by the syncer's lease LIST); raises ``ProtocolError`` naming the nodes seen when
+        ``timeout`` seconds pass first, and what a background loop died of.
+        """
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"wait_for_nodes: count must be a positive integer, got {count!r}")
+        if self._closed:
+            raise ProtocolError("wait_for_nodes() after close()")
+        return sorted(run_sync(self._node.wait_for_nodes(count, timeout)))
+
     def close(self) -> None:
         """Publish what was trained since the last rounds, release the lease at once, wait for
         those rounds to commit and merge them, then stop (Decision 11). After ``close`` the

@@ -254,6 +254,26 @@ class Node:
         while self.trainer.blocked() is not None:
             await self.handoff.bell.wait(self._poll_interval)
 
+    async def wait_for_nodes(self, count: int, timeout: float) -> frozenset[str]:
+        """Return the active nodes once this node's lease view lists at least ``count`` of
+        them (itself included); ``ProtocolError`` after ``timeout`` seconds. The view is the
+        one rounds are closed by, so every round after this wait expects those nodes."""
+        assert self.syncer is not None
+        deadline = self.clock.now() + timeout
+        while True:
+            self.handoff.raise_failure()
+            now = self.clock.now()
+            view = self.syncer.state.keeper.view
+            active = view.active(now=now, lease_timeout=self._lease_timeout)
+            if len(active) >= count:
+                return active
+            if now > deadline:
+                raise ProtocolError(
+                    f"wait_for_nodes: {len(active)} of {count} nodes active after {timeout} s "
+                    f"({', '.join(sorted(active))}); are the others started on this run?"
+                )
+            await self.handoff.bell.wait(self._poll_interval)
+
     def begin_close(self) -> None:
         """Publish the last progress and release the lease at once (Decision 11)."""
         assert self.trainer is not None and self.syncer is not None

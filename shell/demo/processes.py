@@ -77,13 +77,15 @@ def local_path(url: str) -> Path | None:
 
 @attrs.frozen(kw_only=True)
 class Job:
-    """One worker process to run: its label on screen, node index, options and steps."""
+    """One worker process to run: its label on screen, node index, options and steps, and
+    the module it runs (the demo worker, or ``gradientmail.demo.reference``)."""
 
     label: str
     node: int
     argv: tuple[str, ...]
     out: Path
     steps: int
+    module: str = "gradientmail.demo.worker"
 
 
 @attrs.define(kw_only=True)
@@ -110,7 +112,7 @@ def _start(job: Job) -> Node:
     argv = ["--node", str(job.node), "--out", str(job.out), *job.argv]
     with log.open("wb") as sink:
         process = subprocess.Popen(
-            [sys.executable, "-m", "gradientmail.demo.worker", *argv],
+            [sys.executable, "-m", job.module, *argv],
             stdout=sink,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -116,6 +116,8 @@ def _session(args: argparse.Namespace, model: Any) -> Iterator[tuple[Any, Any]]:
         lease_timeout=args.lease_timeout,
         callbacks=(log_events,),
     ) as session:
+        if args.wait_nodes > 1:
+            session.wait_for_nodes(args.wait_nodes)
         yield session, mailbox
 
 
@@ -238,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument(
+        "--wait-nodes",
+        type=int,
+        default=0,
+        help="wait until this many nodes are active before the first step (a start barrier)",
+    )
     p.add_argument("--poll-interval", type=float, default=0.2, help="seconds")
     p.add_argument("--lease-every", type=float, default=2.0, help="seconds")
     p.add_argument("--lease-timeout", type=float, default=10.0, help="seconds")

@@ -129,3 +129,36 @@ def test_transient_faults_lost_responses_and_conflicts_are_survived() -> None:
     assert_chains(rounds, ALGORITHM.fragments)
     assert len(rounds) >= 8
     assert audit(mailbox, backend=TorchBackend()).recomputed == len(rounds)
+
+
+def test_wait_for_nodes_returns_the_active_nodes_and_names_them_on_timeout(
+    tmp_path: Path,
+) -> None:
+    url = f"file://{tmp_path / 'run'}"
+    with (
+        Session(
+            make_model(),
+            algorithm=ALGORITHM,
+            mailbox=mailbox_from_url(url),
+            learner_id="a",
+            **QUICK,
+        ) as a,
+        Session(
+            make_model(),
+            algorithm=ALGORITHM,
+            mailbox=mailbox_from_url(url),
+            learner_id="b",
+            **QUICK,
+        ) as b,
+    ):
+        both = sorted([a.learner_id, b.learner_id])
+        assert a.wait_for_nodes(2, timeout=30) == both
+        assert b.wait_for_nodes(2, timeout=30) == both
+        with pytest.raises(ProtocolError, match=r"2 of 3 nodes active after 0.3 s") as caught:
+            a.wait_for_nodes(3, timeout=0.3)
+        assert a.learner_id in str(caught.value) and b.learner_id in str(caught.value)
+        for bad in (0, -1, 1.5, True):
+            with pytest.raises(ValueError, match="count must be a positive integer"):
+                a.wait_for_nodes(bad)  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match=r"after close"):
+        a.wait_for_nodes(1)
