@@ -61,16 +61,24 @@ def plot_nodes(
 
 
 def plot_curves(
-    curves: Mapping[str, Sequence[tuple[float, float]]], path: Path, *, title: str
+    curves: Mapping[str, Sequence[tuple[float, float]]],
+    path: Path,
+    *,
+    title: str,
+    xlabel: str = "tokens trained, all workers together",
+    log_x: bool = False,
 ) -> Path:
-    """Held-out loss against tokens (x, y pairs) for each labelled variant; returns ``path``."""
+    """Held-out loss against ``xlabel`` (x, y pairs) for each labelled variant; returns
+    ``path``."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, points in curves.items():
         if points:
             xs, ys = zip(*points, strict=True)
             ax.plot(xs, ys, marker="o", markersize=3, label=label)
-    ax.set_xlabel("tokens trained, all workers together")
+    ax.set_xlabel(xlabel)
+    if log_x:
+        ax.set_xscale("log")
     ax.set_ylabel("held-out loss (nats per byte)")
     ax.set_title(title)
     ax.grid(alpha=0.3)

@@ -79,6 +79,8 @@ def algorithm_of(args: argparse.Namespace) -> Any:
 
     changes: dict[str, Any] = {
         "inner_steps": args.inner_steps,
+        "outer_lr": args.outer_lr,
+        "outer_momentum": args.outer_momentum,
         "quantization": args.quantization,
         "clip": args.clip,
     }
@@ -86,7 +88,7 @@ def algorithm_of(args: argparse.Namespace) -> Any:
         changes["overlap_steps"] = args.overlap_steps
     if args.fragments > 1:
         return DiLoCo.streaming(fragments=args.fragments, **changes)
-    return DiLoCo(outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, **changes)
+    return DiLoCo(**changes)
 
 
 class _Alone:

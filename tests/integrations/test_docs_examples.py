@@ -70,3 +70,36 @@ def test_the_lightning_example(tmp_path: Path) -> None:
     assert frameworks_worker.digest(fresh) == frameworks_worker.digest(module)
     saved = torch.load(tmp_path / "final.ckpt", weights_only=False)["state_dict"]
     assert all(torch.equal(saved[k], v) for k, v in module.state_dict().items())
+
+
+TORCHRUN_PRELUDE = """
+import torch
+
+torch.manual_seed(0)
+MODEL = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+_g = torch.Generator().manual_seed(int(__import__("os").environ["RANK"]))
+LOADER = [(x, x.sum(dim=1, keepdim=True)) for x in torch.randn(40, 8, 4, generator=_g)]
+"""
+
+
+def test_the_torchrun_example(tmp_path: Path) -> None:
+    import subprocess
+
+    code, url = block("GroupSession(")
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_PRELUDE + code.replace(url, (tmp_path / "run").as_uri()))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    done = subprocess.run(
+        [*command, "--nproc-per-node", "2", str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    assert align(fresh, mailbox=mailbox_from_url((tmp_path / "run").as_uri())) >= 3
+    saved = torch.load(tmp_path / "final.pt")
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(saved[name], value), name
