@@ -3,7 +3,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= torch,mlx,s3,zstd,demo,bench,transformers,lightning,dev
+EXTRAS ?= torch,mlx,s3,zstd,demo,bench,transformers,lightning,tensorboard,dev
 PYTEST_ARGS ?=
 AZURITE ?= 3.35.0
 

@@ -34,6 +34,7 @@ __all__ = [
     "Rebased",
     "Rejected",
     "Retried",
+    "Stalled",
     "TookOver",
     "combined",
     "log_events",
@@ -96,12 +97,29 @@ class Committed:
 
 @attrs.frozen(kw_only=True)
 class Merged:
-    """``node``'s model now holds the commit of ``round`` (``since``: snapshot or base)."""
+    """``node``'s model now holds the commit of ``round`` (``since``: snapshot or base);
+    ``staleness``: the inner steps the node took between capturing the fragment's snapshot and
+    this merge (the steps a commit overlaps); ``step``: the node's inner steps so far (its
+    ``Session.step`` calls)."""
 
     node: str
     round: int
     fragment: int
     since: str
+    staleness: int = 0
+    step: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class Stalled:
+    """``node``'s ``step()`` waited ``seconds`` for the commit of ``round`` (the overlap
+    bound) at its inner step ``step``: training time lost to communication."""
+
+    node: str
+    round: int
+    fragment: int
+    seconds: float
+    step: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -185,6 +203,7 @@ Event = (
     | TookOver
     | Committed
     | Merged
+    | Stalled
     | Rebased
     | LeaseExpired
     | Excluded

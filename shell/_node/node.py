@@ -10,7 +10,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 from gradientmail._clock import Clock
-from gradientmail._events import Callback, Failed, Joined, log_events
+from gradientmail._events import Callback, Failed, Joined, Stalled, log_events
 from gradientmail._node.drive import Inbox
 from gradientmail._node.exchange import DEFAULT_OUTAGE, Exchange, new_nonce
 from gradientmail._node.handoff import Handoff, Handover
@@ -251,8 +251,21 @@ class Node:
         the overlap bound holds (``learner.waiting_on``), until a commit arrives."""
         assert self.trainer is not None
         self.trainer.advance(samples)
+        blocked = self.trainer.blocked()
+        if blocked is None:
+            return
+        start = self.clock.now()
         while self.trainer.blocked() is not None:
             await self.handoff.bell.wait(self._poll_interval)
+        seconds = self.clock.now() - start
+        stalled = Stalled(
+            node=self.node,
+            round=blocked.round,
+            fragment=blocked.fragment,
+            seconds=seconds,
+            step=self.trainer.steps,
+        )
+        self.on_event(stalled)
 
     async def wait_for_nodes(self, count: int, timeout: float) -> frozenset[str]:
         """Return the active nodes once this node's lease view lists at least ``count`` of

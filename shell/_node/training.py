@@ -50,10 +50,13 @@ class Trainer:
         self._rules = rules
         self._base = list(base)
         self._captured: list[Tensors | None] = [None] * self.algorithm.fragments
+        self.steps = 0  # inner steps counted by this process
+        self._captured_at = [0] * self.algorithm.fragments
 
     def advance(self, samples: int) -> None:
         """Apply ready commits, then count one inner step of ``samples`` tokens."""
         self._apply_ready()
+        self.steps += 1
         self.state, effects = learner.step(self.state, self.algorithm, samples)
         self._execute(effects, None)
 
@@ -120,12 +123,23 @@ class Trainer:
         self._base[k] = commit
         self._captured[k] = None
         self.rounds_seen = max(self.rounds_seen, merge.round)
-        self._on_event(Merged(node=self.node, round=merge.round, fragment=k, since=merge.since))
+        staleness = self.steps - self._captured_at[k]
+        self._on_event(
+            Merged(
+                node=self.node,
+                round=merge.round,
+                fragment=k,
+                since=merge.since,
+                staleness=staleness,
+                step=self.steps,
+            )
+        )
 
     def _capture(self, publish: Publish) -> None:
         k = publish.fragment
         captured = self._backend.capture(self._adapter, self._manifest.fragments[k])
         self._captured[k] = captured
+        self._captured_at[k] = self.steps
         nonce = self.state.fragments[k].nonce
         assert nonce is not None
         self._handoff.put_job(
