@@ -62,17 +62,23 @@ def _speed(records: Sequence[dict[str, Any]]) -> float:
 
 
 def render(name: str, records: Sequence[dict[str, Any]], *, steps: int, state: str) -> str:
-    """One status line of a node: step, loss, tokens/s, newest round, bytes sent and received."""
+    """One status line of a node: step, loss, tokens/s, newest round (of each fragment, when
+    more than one), seconds ``step()`` stalled, bytes sent and received."""
     if not records:
         return f"{name:<8} {'starting' if state == 'running' else state}"
     last = records[-1]
     # The final record is the node's summary: held-out loss, no training loss.
     loss = next((r["loss"] for r in reversed(records) if "loss" in r), float("nan"))
     round_seen = last.get("rounds_seen", -1)
+    fragments = last.get("fragments") or []
+    rounds = "/".join(map(str, fragments)) if len(fragments) > 1 else None
+    stalled = last.get("stalled")
     return (
         f"{name:<8} step {last['step']:>5}/{steps:<5} loss {loss:6.3f}  "
         f"{_speed(records):7.0f} tok/s  round {round_seen if round_seen >= 0 else '-':>4}  "
-        f"sent {human_bytes(last.get('bytes_out', 0)):>10}  "
+        + (f"(fragments {rounds})  " if rounds else "")
+        + (f"stalled {stalled:6.1f} s  " if stalled is not None else "")
+        + f"sent {human_bytes(last.get('bytes_out', 0)):>10}  "
         f"recv {human_bytes(last.get('bytes_in', 0)):>10}  {state}"
     )
 

@@ -96,12 +96,35 @@ class _Alone:
 
     rounds_seen = -1
 
+
+class _Watch:
+    """The events the progress lines show: each fragment's newest merged round, and the
+    seconds ``step()`` stalled on the overlap bound."""
+
+    def __init__(self) -> None:
+        self.merged: dict[int, int] = {}
+        self.stalled = 0.0
+
+    def __call__(self, event: Any) -> None:
+        from gradientmail import Merged, Stalled
+
+        if isinstance(event, Merged):
+            self.merged[event.fragment] = max(event.round, self.merged.get(event.fragment, -1))
+        elif isinstance(event, Stalled):
+            self.stalled += event.seconds
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "fragments": [self.merged[k] for k in sorted(self.merged)],
+            "stalled": round(self.stalled, 3),
+        }
+
     def step(self, *, samples: int) -> None:
         del samples
 
 
 @contextlib.contextmanager
-def _session(args: argparse.Namespace, model: Any) -> Iterator[tuple[Any, Any]]:
+def _session(args: argparse.Namespace, model: Any, watch: _Watch) -> Iterator[tuple[Any, Any]]:
     if args.mailbox is None:
         yield _Alone(), None
         return
@@ -116,7 +139,7 @@ def _session(args: argparse.Namespace, model: Any) -> Iterator[tuple[Any, Any]]:
         poll_interval=args.poll_interval,
         lease_every=args.lease_every,
         lease_timeout=args.lease_timeout,
-        callbacks=(log_events,),
+        callbacks=(log_events, watch),
     ) as session:
         if args.wait_nodes > 1:
             session.wait_for_nodes(args.wait_nodes)
@@ -139,6 +162,7 @@ class _Progress:
         self._tokens_per_step = tokens_per_step
         self._start = time.monotonic()
         self._losses: list[float] = []
+        self.watch: _Watch | None = None
 
     def seconds(self) -> float:
         return time.monotonic() - self._start
@@ -156,6 +180,7 @@ class _Progress:
             **({"loss": float(np.mean(self._losses))} if self._losses else {}),
             "rounds_seen": session.rounds_seen,
             **_traffic(mailbox),
+            **(self.watch.fields() if self.watch is not None else {}),
             "time": self.seconds(),
             **extra,
         }
@@ -187,7 +212,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     tokens = args.batch * config.context
     progress = _Progress(out / f"progress-{name}.jsonl", name=name, tokens_per_step=tokens)
-    with _session(args, trainer.model) as (session, mailbox):
+    watch = _Watch()
+    progress.watch = watch
+    with _session(args, trainer.model, watch) as (session, mailbox):
         for step in range(1, args.steps + 1):
             progress.loss(trainer.train_step(next(stream)))
             session.step(samples=tokens)

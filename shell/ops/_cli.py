@@ -11,7 +11,7 @@ import math
 import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from gradientmail._secrets import SECRET_ENV, SECRET_FILE_ENV
@@ -52,6 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=2.0,
         help="seconds between two reads of the leases, to tell live nodes from quiet ones "
         "(0: read once)",
+    )
+    status.add_argument(
+        "--follow",
+        "-f",
+        action="store_true",
+        help="keep reading, every --watch seconds (at least 1), and redraw the status in place "
+        "on a terminal (a new block each time when piped; one JSON line each with --json), "
+        "with each fragment's rounds per minute, until interrupted",
+    )
+    status.add_argument(
+        "--count", type=int, default=0, help="with --follow: stop after this many reads (0: never)"
     )
     gc = commands.add_parser(
         "gc",
@@ -118,6 +129,10 @@ def _run(args: argparse.Namespace) -> int:
         origins=f"--secret-file, {SECRET_ENV} or {SECRET_FILE_ENV}",
     )
     mailbox = mailbox_from_url(args.url)
+    if args.command == "status" and args.follow:
+        return _follow(
+            args, lambda watch: status(mailbox, watch=watch, keyring=keyring, sources=sources)
+        )
     if args.command == "status":
         report = asyncio.run(
             status(mailbox, watch=max(0.0, args.watch), keyring=keyring, sources=sources)
@@ -154,6 +169,43 @@ def _describe_rejected(rejected: list[dict[str, str]], shown: int = 20) -> list[
     return lines
 
 
+def _follow(
+    args: argparse.Namespace, read: Callable[[float], Coroutine[Any, Any, dict[str, Any]]]
+) -> int:
+    """``status --follow``: read the run every ``--watch`` seconds (each read spans that much,
+    leases read at both ends) and show it, redrawn in place on a terminal."""
+    import asyncio
+    import json
+    import time
+
+    from gradientmail.demo.progress import Display
+
+    display = Display(sys.stdout, every=1)
+    first: tuple[float, dict[int, int]] | None = None
+    reads = 0
+    while args.count <= 0 or reads < args.count:
+        report = asyncio.run(read(max(1.0, args.watch)))
+        reads += 1
+        now = time.monotonic()
+        newest = {f["fragment"]: f["newest_round"] for f in report["fragments"]}
+        first = first or (now, newest)
+        minutes = (now - first[0]) / 60
+        for f in report["fragments"]:
+            # Rounds of this fragment committed since the first read, per minute.
+            done = (f["newest_round"] - first[1][f["fragment"]]) // report["manifest"]["algorithm"][
+                "fragments"
+            ]
+            f["rounds_per_minute"] = round(done / minutes, 2) if minutes > 0 else None
+        if args.json:
+            print(json.dumps(report), flush=True)
+        else:
+            stamp = time.strftime("%H:%M:%S")
+            lines = _describe_status(report).splitlines()
+            header = f"{stamp} (read {reads}, every {max(1.0, args.watch):g} s)"
+            display.show([header, *lines], force=True)
+    return 0
+
+
 def _describe_status(report: dict[str, Any]) -> str:
     m = report["manifest"]
     a = m["algorithm"]
@@ -167,9 +219,11 @@ def _describe_status(report: dict[str, Any]) -> str:
     for f in report["fragments"]:
         claims = ", ".join(f"{c['attempt']}:{c['node']}" for c in f["claims"]) or "none"
         unverified = ", ".join(f["unverified_reporters"])
+        rate = f.get("rounds_per_minute")
         lines.append(
-            f"fragment {f['fragment']}: newest round {f['newest_round']}; open round "
-            f"{f['open_round']} reported by {', '.join(f['reporters']) or 'nobody'}"
+            f"fragment {f['fragment']}: newest round {f['newest_round']}"
+            + (f" ({rate:g} rounds/min)" if rate is not None else "")
+            + f"; open round {f['open_round']} reported by {', '.join(f['reporters']) or 'nobody'}"
             + (f" (not counted, no verified lease: {unverified})" if unverified else "")
             + f"; claims {claims}"
         )

@@ -218,6 +218,10 @@ def test_render_shows_step_loss_speed_round_and_bytes() -> None:
         assert part in line
     assert render("node-2", [], steps=100, state="running").split() == ["node-2", "starting"]
     assert render("node-2", [], steps=100, state="failed (1)").endswith("failed (1)")
+    # A streaming run's line shows each fragment's newest round and the stalls.
+    records[-1] |= {"fragments": [2, 3], "stalled": 1.25}
+    line = render("node-1", records, steps=100, state="running")
+    assert "(fragments 2/3)" in line and "stalled    1.2 s" in line
 
 
 def test_display_rewrites_in_place_on_a_terminal_and_prints_periodically_elsewhere() -> None:

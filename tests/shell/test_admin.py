@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -257,3 +258,45 @@ def test_the_cli_reads_a_signed_run_with_its_secret(
     assert main(["gc", unsigned, "--secret-file", str(secret_file)]) == 1
     [line] = capsys.readouterr().err.splitlines()
     assert "the run is not signed but gradientmail gc has a secret (from --secret-file" in line
+
+
+def test_status_follow_rereads_the_run_and_counts_its_rounds(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+    import threading
+
+    from gradientmail import Session, mailbox_from_url
+    from gradientmail.ops._cli import main
+
+    url = f"file://{tmp_path / 'run'}"
+    quick = {"poll_interval": 0.05, "lease_every": 0.2, "lease_timeout": 1.0}
+    done = threading.Event()
+
+    def train() -> None:
+        with Session(
+            make_model(), algorithm=ALGORITHM, mailbox=mailbox_from_url(url), **quick
+        ) as s:
+            while not done.is_set():
+                s.step(samples=4)
+                time.sleep(0.01)
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    try:
+        while not (tmp_path / "run" / "manifest").exists():
+            time.sleep(0.05)
+        assert main(["status", url, "--follow", "--json", "--watch", "1", "--count", "3"]) == 0
+        reads = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert main(["status", url, "--follow", "--watch", "1", "--count", "2"]) == 0
+        text = capsys.readouterr().out
+    finally:
+        done.set()
+        trainer.join()
+    assert len(reads) == 3
+    newest = [[f["newest_round"] for f in r["fragments"]] for r in reads]
+    assert newest[-1] > newest[0], "the node committed rounds between the reads"
+    assert reads[0]["fragments"][0]["rounds_per_minute"] is None
+    assert all(f["rounds_per_minute"] > 0 for f in reads[-1]["fragments"])
+    assert [n["state"] for n in reads[-1]["nodes"]] == ["live"]
+    # Piped, each read prints a block of its own, headed by its time and number.
+    assert re.findall(r"\(read (\d), every 1 s\)", text) == ["1", "2"]
+    assert re.search(r"fragment 0: newest round \d+ \(\d+(\.\d+)? rounds/min\)", text)
