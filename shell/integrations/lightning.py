@@ -55,6 +55,8 @@ class GradientmailCallback(pl.Callback):
         mailbox: a ``Mailbox`` or a URL for ``mailbox_from_url``.
         samples: the weight of one batch (samples or tokens); the batch's first dimension by
             default (``batch_samples``).
+        wait_for_nodes: when above 1, training begins only once this many nodes of the run
+            are active (``Session.wait_for_nodes``): for a run launched as that many nodes.
         **session_options: passed to ``Session``.
     """
 
@@ -64,9 +66,12 @@ class GradientmailCallback(pl.Callback):
         mailbox: Mailbox | str,
         *,
         samples: Callable[[Any], int] = batch_samples,
+        wait_for_nodes: int = 0,
         **session_options: Any,
     ) -> None:
-        self._holder = SessionHolder(algorithm, mailbox, session_options)
+        self._holder = SessionHolder(
+            algorithm, mailbox, session_options, wait_for_nodes=wait_for_nodes
+        )
         self._samples = samples
         self._pending = 0
         self._global_step = 0

@@ -38,6 +38,8 @@ class GradientmailCallback(TrainerCallback):
     Args:
         algorithm: the run's ``DiLoCo``.
         mailbox: a ``Mailbox`` or a URL for ``mailbox_from_url``.
+        wait_for_nodes: when above 1, training begins only once this many nodes of the run
+            are active (``Session.wait_for_nodes``): for a run launched as that many nodes.
         **session_options: passed to ``Session`` (``learner_id``, ``secret``, ``callbacks``,
             ``poll_interval``, ...).
 
@@ -45,8 +47,17 @@ class GradientmailCallback(TrainerCallback):
         session: the open ``Session`` while training runs, else None.
     """
 
-    def __init__(self, algorithm: DiLoCo, mailbox: Mailbox | str, **session_options: Any) -> None:
-        self._holder = SessionHolder(algorithm, mailbox, session_options)
+    def __init__(
+        self,
+        algorithm: DiLoCo,
+        mailbox: Mailbox | str,
+        *,
+        wait_for_nodes: int = 0,
+        **session_options: Any,
+    ) -> None:
+        self._holder = SessionHolder(
+            algorithm, mailbox, session_options, wait_for_nodes=wait_for_nodes
+        )
         self._tokens_seen = 0
 
     @property

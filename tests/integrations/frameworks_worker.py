@@ -8,16 +8,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "shell"))
-
-from worker import wait_for  # the shell tests' worker: return once the nodes hold leases
 
 from gradientmail import DiLoCo
 
@@ -77,17 +71,15 @@ def make_model(framework: str, seed: int) -> Any:
 
 
 def run_transformers(args: argparse.Namespace) -> dict[str, Any]:
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     from gradientmail.integrations.transformers import GradientmailCallback
 
-    class WaitForPeers(TrainerCallback):  # type: ignore[misc]
-        def on_train_begin(self, *a: Any, **k: Any) -> None:
-            if args.wait_for:
-                wait_for(args.wait_for.split(","), args.url)
-
     model = gpt2(seed=args.seed)
-    callback = GradientmailCallback(ALGORITHM, args.url, learner_id=args.node, **QUICK)
+    nodes = len(args.wait_for.split(",")) if args.wait_for else 0
+    callback = GradientmailCallback(
+        ALGORITHM, args.url, learner_id=args.node, wait_for_nodes=nodes, **QUICK
+    )
     training = TrainingArguments(
         output_dir=args.out + ".trainer",
         max_steps=args.steps,
@@ -102,9 +94,7 @@ def run_transformers(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
     )
     data = token_data(args.seed, 4 * args.steps)
-    trainer = Trainer(
-        model=model, args=training, train_dataset=data, callbacks=[callback, WaitForPeers()]
-    )
+    trainer = Trainer(model=model, args=training, train_dataset=data, callbacks=[callback])
     held_out = token_data(999, 64)
     before = trainer.evaluate(held_out)["eval_loss"]
     trainer.train()
@@ -121,11 +111,6 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
 
     from gradientmail.integrations.lightning import GradientmailCallback
 
-    class WaitForPeers(pl.Callback):  # type: ignore[misc]
-        def on_fit_start(self, *a: Any) -> None:
-            if args.wait_for:
-                wait_for(args.wait_for.split(","), args.url)
-
     module = regression(args.seed)
     g = torch.Generator().manual_seed(args.seed)
     target = torch.randn(8, 1, generator=torch.Generator().manual_seed(0))
@@ -140,7 +125,10 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
             return float(torch.nn.functional.mse_loss(module.net(held_x), held_x @ target))
 
     before = loss()
-    callback = GradientmailCallback(ALGORITHM, args.url, learner_id=args.node, **QUICK)
+    nodes = len(args.wait_for.split(",")) if args.wait_for else 0
+    callback = GradientmailCallback(
+        ALGORITHM, args.url, learner_id=args.node, wait_for_nodes=nodes, **QUICK
+    )
     trainer = pl.Trainer(
         max_steps=args.steps,
         accumulate_grad_batches=2,
@@ -150,7 +138,7 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[callback, WaitForPeers()],
+        callbacks=[callback],
     )
     trainer.fit(module, loader)
     assert callback.session is None, "the Session is closed when fitting ends"

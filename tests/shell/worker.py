@@ -208,7 +208,9 @@ def main() -> int:
     ) as session:
         result["joined_rounds_seen"] = session.rounds_seen
         if args.wait_for:
-            wait_for(args.wait_for.split(","), args.mailbox)
+            # The Session's own lease view, the one its rounds close by (a separate LIST
+            # would leave that view behind, and the first rounds could close without some).
+            session.wait_for_nodes(len(args.wait_for.split(",")), timeout=120)
         result["initial_loss"] = trainer.evaluate(eval_x, eval_y)
         for i in range(args.steps):
             trainer.step(x[i * 32 : (i + 1) * 32], y[i * 32 : (i + 1) * 32])
