@@ -99,6 +99,7 @@ def variants(args: argparse.Namespace) -> dict[str, Variant]:
         str(args.overlap),
         "--wait-nodes",
         str(m),
+        *(("--alpha", args.alpha) if args.alpha is not None else ()),
     )
     return {
         v.key: v
@@ -141,7 +142,8 @@ def variants(args: argparse.Namespace) -> dict[str, Variant]:
             ),
             Variant(
                 key="d",
-                title=f"Streaming DiLoCo, K={args.fragments}, tau={args.overlap}",
+                title=f"Streaming DiLoCo, K={args.fragments}, tau={args.overlap}"
+                + (f", alpha {args.alpha}" if args.alpha is not None else ""),
                 processes=m,
                 batch=b,
                 steps=s,
@@ -375,6 +377,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--outer-momentum", type=float, default=0.9, help="Nesterov momentum")
     p.add_argument("--fragments", type=int, default=2, help="K for (d) and (e)")
     p.add_argument("--overlap", type=int, default=2, help="tau for (d) and (e)")
+    p.add_argument(
+        "--alpha",
+        default=None,
+        help="(d) and (e)'s merge mix, or 'none' (keep the local progress since the "
+        "snapshot); unset: DiLoCo.streaming's 0.5",
+    )
     p.add_argument("--clip", type=float, default=2.0, help="(f)'s norm clip, x the round's median")
     p.add_argument("--eval-every", type=int, default=250, help="node steps between evaluations")
     p.add_argument("--eval-windows", type=int, default=128, help="held-out sequences")
@@ -426,7 +434,7 @@ def run(args: argparse.Namespace) -> list[Result]:
 # Settings that do not change what a variant computes.
 _PRESENTATION = {"quick", "only", "out", "merge", "sweep", "sweep_lr", "sweep_h"}
 # Settings newer than some convergence.json files; see merged().
-_ADDED_SINCE = {"clip", "outer_lr", "outer_momentum"}
+_ADDED_SINCE = {"clip", "outer_lr", "outer_momentum", "alpha"}
 
 
 def merged(args: argparse.Namespace) -> tuple[list[Result], list[str]]:

@@ -86,6 +86,8 @@ def algorithm_of(args: argparse.Namespace) -> Any:
     }
     if args.overlap_steps is not None:
         changes["overlap_steps"] = args.overlap_steps
+    if args.alpha is not None:
+        changes["alpha"] = None if args.alpha == "none" else float(args.alpha)
     if args.fragments > 1:
         return DiLoCo.streaming(fragments=args.fragments, **changes)
     return DiLoCo(**changes)
@@ -263,6 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inner-steps", type=int, default=50, help="H: inner steps per round")
     p.add_argument("--fragments", type=int, default=1, help="K > 1: Streaming DiLoCo")
     p.add_argument("--overlap-steps", type=int, default=None, help="tau: steps a sync overlaps")
+    p.add_argument(
+        "--alpha",
+        default=None,
+        help="Streaming DiLoCo's merge mix (a number in [0, 1), or 'none' to keep the local "
+        "progress since the snapshot); unset keeps the algorithm's default",
+    )
     p.add_argument("--quantization", choices=("F8_E4M3", "F4"), default=None)
     p.add_argument(
         "--clip", type=float, default=None, help="norm clip, x the round's median (default off)"

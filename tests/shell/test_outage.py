@@ -1,8 +1,9 @@
 """A store outage does not end a node: every request is retried, with capped and jittered
 backoff, until the node's outage limit, and only then ``StoreUnavailable``. A three-process run
-through a TCP proxy of the test's own that refuses every connection to the S3 server for 30 s
-(120 s with ``--runslow``), after the first commit, finishes, and its audit holds: the code
-before it ended every node 18 to 24 s into such an outage."""
+through a TCP proxy of the test's own that refuses every connection to the S3 server for 10 s
+and 60 s (10 minutes with ``--runslow``), or accepts them and moves no byte for 30 s (120 s),
+after the first commit, finishes, its audit holds and no published sample is lost: the code
+before it ended every node 18 to 24 s into a 30 s outage."""
 
 from __future__ import annotations
 
@@ -24,11 +25,19 @@ pytest.importorskip("torch")
 from cluster import Cluster
 from test_multiprocess import ALGORITHM, check_run, commits
 
-from gradientmail import MonotonicClock, Retried, StoreUnavailable, TransientMailboxError
+from gradientmail import (
+    MonotonicClock,
+    Retried,
+    StoreUnavailable,
+    TransientMailboxError,
+    mailbox_from_url,
+)
 from gradientmail._node.exchange import Exchange
+from gradientmail.adapters import TorchBackend
 from gradientmail.core import keys
 from gradientmail.mailboxes import MemoryMailbox, ObjectInfo
 from gradientmail.mailboxes._protocol import Mailbox
+from gradientmail.testing._audit import audit
 from gradientmail.testing._s3 import with_prefix
 
 
@@ -131,8 +140,9 @@ def test_retry_settings_are_checked() -> None:
 
 
 class RefusingProxy:
-    """A TCP proxy on 127.0.0.1 in front of ``port`` that can refuse every connection: while
-    refusing, nothing listens on its port and the connections it carried are cut."""
+    """A TCP proxy on 127.0.0.1 in front of ``port`` that can refuse every connection (while
+    refusing, nothing listens on its port and the connections it carried are cut) or hang them
+    (connections are accepted and kept open, and no byte moves either way until ``flow``)."""
 
     def __init__(self, port: int) -> None:
         self.target = port
@@ -140,7 +150,15 @@ class RefusingProxy:
         self._lock = threading.Lock()
         self._open: list[socket.socket] = []
         self._listener: socket.socket | None = None
+        self._flowing = threading.Event()
+        self._flowing.set()
         self.accept()
+
+    def hang(self) -> None:
+        self._flowing.clear()
+
+    def flow(self) -> None:
+        self._flowing.set()
 
     def accept(self) -> None:
         listener = socket.socket()
@@ -168,20 +186,27 @@ class RefusingProxy:
                 client, _ = listener.accept()
             except OSError:
                 return  # refusing: the listener is closed
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.target))
-            except OSError:
-                client.close()
-                continue
-            with self._lock:
-                self._open += [client, upstream]
-            for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=_pump, args=(source, sink), daemon=True).start()
+            threading.Thread(target=self._carry, args=(client,), daemon=True).start()
+
+    def _carry(self, client: socket.socket) -> None:
+        self._flowing.wait()  # a hung store accepts and then says nothing
+        try:
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+        except OSError:
+            client.close()
+            return
+        with self._lock:
+            self._open += [client, upstream]
+        for source, sink in ((client, upstream), (upstream, client)):
+            threading.Thread(
+                target=_pump, args=(source, sink, self._flowing), daemon=True
+            ).start()
 
 
-def _pump(source: socket.socket, sink: socket.socket) -> None:
+def _pump(source: socket.socket, sink: socket.socket, flowing: threading.Event) -> None:
     with contextlib.suppress(OSError):
         while data := source.recv(1 << 16):
+            flowing.wait()
             sink.sendall(data)
     for conn in (source, sink):
         with contextlib.suppress(OSError):
@@ -209,27 +234,52 @@ def proxy_for(url: str) -> Iterator[RefusingProxy]:
             proxy.refuse()
 
 
-@pytest.mark.parametrize("outage", [30.0, pytest.param(120.0, marks=pytest.mark.slow)])
+STEPS = {"node-0": 150, "node-1": 150, "last": 210}
+
+
+@pytest.mark.parametrize(
+    ("outage", "mode"),
+    [
+        (10.0, "refuse"),
+        (60.0, "refuse"),
+        (30.0, "hang"),
+        pytest.param(600.0, "refuse", marks=pytest.mark.slow),
+        pytest.param(120.0, "hang", marks=pytest.mark.slow),
+    ],
+)
 def test_a_three_process_run_outlasts_a_store_outage(
-    tmp_path: Path, cluster_factory: type[Cluster], s3_url: str, outage: float
+    tmp_path: Path, cluster_factory: type[Cluster], s3_url: str, outage: float, mode: str
 ) -> None:
     direct = with_prefix(s3_url, f"run-{uuid.uuid4().hex[:8]}")
     with proxy_for(direct) as proxy:
         url = through(direct, proxy.port)
         cluster = cluster_factory(url, tmp_path, ALGORITHM)
-        together = "node-0,node-1,last"
-        for i in range(2):
-            cluster.start(f"node-{i}", i, steps=150, step_time=0.03, wait_for=together)
-        cluster.start("last", 2, steps=210, step_time=0.03, wait_for=together)
+        together = ",".join(STEPS)
+        for i, (node, steps) in enumerate(STEPS.items()):
+            cluster.start(node, i, steps=steps, step_time=0.03, wait_for=together)
         deadline = time.monotonic() + 120
         while not commits(direct) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert commits(direct), "the run committed nothing before the outage"
-        proxy.refuse()
-        time.sleep(outage)
-        proxy.accept()
+        if mode == "refuse":
+            proxy.refuse()
+            time.sleep(outage)
+            proxy.accept()
+        else:
+            proxy.hang()
+            time.sleep(outage)
+            proxy.flow()
         results = cluster.wait(timeout=240 + outage)
     check_run(cluster, results, direct)
+    # No published sample is lost: each fragment's commits count every step of every node.
+    report = audit(mailbox_from_url(direct), backend=TorchBackend())
+    assert report.samples == ALGORITHM["fragments"] * sum(STEPS.values()) * 32, report
+    # No node failed or gave up: the outage was retried through, not survived by a restart.
+    for node in results:
+        for e in cluster.events(node):
+            assert e["event"] != "Failed", e
+    if mode == "hang":
+        return  # a hung request waits out the client's timeout; how it retries is its own
     retried = {n: [e for e in cluster.events(n) if e["event"] == "Retried"] for n in results}
     assert all(retried.values()), "every node met the outage and retried through it"
     # How long one request kept failing and was tried again: six tries, which used to end a
