@@ -198,9 +198,7 @@ class RefusingProxy:
         with self._lock:
             self._open += [client, upstream]
         for source, sink in ((client, upstream), (upstream, client)):
-            threading.Thread(
-                target=_pump, args=(source, sink, self._flowing), daemon=True
-            ).start()
+            threading.Thread(target=_pump, args=(source, sink, self._flowing), daemon=True).start()
 
 
 def _pump(source: socket.socket, sink: socket.socket, flowing: threading.Event) -> None:
@@ -243,7 +241,7 @@ STEPS = {"node-0": 150, "node-1": 150, "last": 210}
         (10.0, "refuse"),
         (60.0, "refuse"),
         (30.0, "hang"),
-        pytest.param(600.0, "refuse", marks=pytest.mark.slow),
+        pytest.param(600.0, "refuse", marks=[pytest.mark.slow, pytest.mark.timeout(1800)]),
         pytest.param(120.0, "hang", marks=pytest.mark.slow),
     ],
 )
