@@ -1,7 +1,7 @@
 """A store outage does not end a node: every request is retried, with capped and jittered
 backoff, until the node's outage limit, and only then ``StoreUnavailable``. A three-process run
 through a TCP proxy of the test's own that refuses every connection to the S3 server for 10 s
-and 60 s (10 minutes with ``--runslow``), or accepts them and moves no byte for 30 s (120 s),
+(60 s and 10 minutes with ``--runslow``), or accepts them and moves no byte for 30 s (120 s),
 after the first commit, finishes, its audit holds and no published sample is lost: the code
 before it ended every node 18 to 24 s into a 30 s outage."""
 
@@ -239,7 +239,7 @@ STEPS = {"node-0": 150, "node-1": 150, "last": 210}
     ("outage", "mode"),
     [
         (10.0, "refuse"),
-        (60.0, "refuse"),
+        pytest.param(60.0, "refuse", marks=pytest.mark.slow),
         (30.0, "hang"),
         pytest.param(600.0, "refuse", marks=[pytest.mark.slow, pytest.mark.timeout(1800)]),
         pytest.param(120.0, "hang", marks=pytest.mark.slow),
