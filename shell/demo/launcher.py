@@ -55,6 +55,12 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fragments", type=int, default=1, help="K > 1: Streaming DiLoCo")
     p.add_argument("--overlap-steps", type=int, default=None, help="tau, steps a sync overlaps")
     p.add_argument(
+        "--alpha",
+        default=None,
+        help="Streaming DiLoCo's merge mix in [0, 1), or 'none' (keep the local progress since "
+        "the snapshot); default: the algorithm's",
+    )
+    p.add_argument(
         "--quantization", choices=("F8_E4M3", "F4"), default=None, help="quantize deltas"
     )
     p.add_argument(
@@ -115,6 +121,7 @@ def worker_argv(args: argparse.Namespace, *, framework: str) -> list[str]:
         "eval_every",
         "eval_windows",
         "overlap_steps",
+        "alpha",
         "quantization",
         "clip",
         "outer_lr",
@@ -251,7 +258,10 @@ def run_demo(args: argparse.Namespace, *, stream: TextIO = sys.stdout) -> int:
             "note: MLX on Linux computes on its CPU reference BLAS, many times slower than "
             "torch; the torch nodes wait for the MLX ones at every round\n"
         )
-    argvs = [tuple(worker_argv(args, framework=k)) for k in kinds]
+    # A start barrier: every node waits for all of them, so every round, the first ones too,
+    # averages every node (docs/decisions.md).
+    barrier = ("--wait-nodes", str(args.nodes))
+    argvs = [(*worker_argv(args, framework=k), *barrier) for k in kinds]
     jobs = [
         Job(label=node_name(i), node=i, argv=argv, out=out, steps=args.steps)
         for i, argv in enumerate(argvs)

@@ -87,10 +87,19 @@ def algorithm_of(args: argparse.Namespace) -> Any:
     if args.overlap_steps is not None:
         changes["overlap_steps"] = args.overlap_steps
     if args.alpha is not None:
-        changes["alpha"] = None if args.alpha == "none" else float(args.alpha)
+        changes["alpha"] = _alpha(args.alpha)
     if args.fragments > 1:
         return DiLoCo.streaming(fragments=args.fragments, **changes)
     return DiLoCo(**changes)
+
+
+def _alpha(text: str) -> float | None:
+    if text == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"--alpha must be a number in [0, 1) or 'none', got {text!r}") from None
 
 
 class _Alone:

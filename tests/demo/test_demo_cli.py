@@ -247,3 +247,14 @@ def test_plots_are_png(tmp_path: Path) -> None:
     curves = plot_curves({"a": [(1.0, 3.0), (2.0, 2.0)], "b": []}, tmp_path / "c.png", title="t")
     for path in (nodes, curves):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_bad_alpha_is_refused_naming_the_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gradientmail.ops._cli import main
+
+    url = (tmp_path / "run").as_uri()
+    assert main(["demo", "--alpha", "often", "--mailbox", url, "--out", str(tmp_path)]) == 1
+    assert "--alpha must be a number in [0, 1) or 'none', got 'often'" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists(), "nothing started"
