@@ -16,7 +16,6 @@ more job; ``bench/convergence.py --sweep`` runs its outer learning rate and H gr
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 from gradientmail.demo.config import GPTConfig
 from gradientmail.demo.corpus import batches, heldout_windows, load_corpus
 from gradientmail.demo.model import TorchTrainer, build, heldout_loss
-from gradientmail.demo.worker import _Progress, node_name
+from gradientmail.demo.worker import _Progress, add_training_arguments, node_name
 
 __all__ = ["OuterLoop", "main", "run"]
 
@@ -116,9 +115,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "bytes_in": 0,
         "seconds": progress.seconds(),
     }
-    progress.write(args.steps, counter, None, **summary, final=True)
-    progress.close()
-    (out / f"summary-{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    progress.finish(args.steps, counter, None, summary, out / f"summary-{name}.json")
     return summary
 
 
@@ -131,22 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node", type=int, default=0, help="index naming the output files")
     p.add_argument("--out", required=True, help="directory for progress and summary files")
     p.add_argument("--final", default=None, help="save the final global parameters here")
-    p.add_argument("--steps", type=int, default=600, help="inner steps of each worker")
-    p.add_argument("--batch", type=int, default=8, help="sequences per step and worker")
-    p.add_argument("--context", type=int, default=128, help="tokens (bytes) per sequence")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-3, help="peak inner learning rate")
-    p.add_argument("--warmup", type=int, default=None, help="inner warmup steps")
-    p.add_argument("--seed", type=int, default=0, help="initial parameters")
-    p.add_argument("--data-seed", type=int, default=0, help="batch streams, with worker index")
-    p.add_argument("--inner-steps", type=int, default=50, help="H: inner steps per outer step")
-    p.add_argument("--outer-lr", type=float, default=0.7)
-    p.add_argument("--outer-momentum", type=float, default=0.9)
-    p.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
-    p.add_argument("--eval-every", type=int, default=0, help="steps between held-out losses")
-    p.add_argument("--eval-windows", type=int, default=64, help="held-out sequences")
+    add_training_arguments(p)
     return p
 
 

@@ -199,8 +199,13 @@ class _Progress:
         self._file.flush()
         self._losses.clear()
 
-    def close(self) -> None:
+    def finish(
+        self, step: int, session: Any, mailbox: Any, summary: dict[str, Any], path: Path
+    ) -> None:
+        """The last line (the summary, marked final), then the summary file at ``path``."""
+        self.write(step, session, mailbox, **summary, final=True)
         self._file.close()
+        path.write_text(json.dumps(summary, indent=1) + "\n")
 
 
 def _trainer(args: argparse.Namespace, config: GPTConfig) -> Trainer:
@@ -245,22 +250,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": progress.seconds(),
     }
     # The last line repeats the summary, measured after the session closed.
-    progress.write(args.steps, session, mailbox, **summary, final=True)
-    progress.close()
-    (out / f"summary-{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    progress.finish(args.steps, session, mailbox, summary, out / f"summary-{name}.json")
     return summary
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m gradientmail.demo.worker", description="One node of the gradientmail demo."
-    )
-    p.add_argument("--node", type=int, default=0, help="node index: learner id and data stream")
-    p.add_argument("--mailbox", default=None, help="run URL; train alone without one")
-    p.add_argument("--out", required=True, help="directory for progress and summary files")
-    p.add_argument("--framework", choices=("torch", "mlx"), default="torch")
+def add_training_arguments(p: argparse.ArgumentParser) -> None:
+    """What the demo worker and the one-process reference share: the model, the data, the
+    inner and outer optimizers' settings, and the progress lines."""
     p.add_argument("--steps", type=int, default=600, help="inner steps to train")
-    p.add_argument("--batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step (and worker)")
     p.add_argument("--context", type=int, default=128, help="tokens (bytes) per sequence")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=128)
@@ -272,6 +270,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="initial parameters (same on every node)")
     p.add_argument("--data-seed", type=int, default=0, help="batch stream, with the node index")
     p.add_argument("--inner-steps", type=int, default=50, help="H: inner steps per round")
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
+    p.add_argument("--eval-every", type=int, default=0, help="steps between held-out losses")
+    p.add_argument("--eval-windows", type=int, default=64, help="held-out sequences")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m gradientmail.demo.worker", description="One node of the gradientmail demo."
+    )
+    p.add_argument("--node", type=int, default=0, help="node index: learner id and data stream")
+    p.add_argument("--mailbox", default=None, help="run URL; train alone without one")
+    p.add_argument("--out", required=True, help="directory for progress and summary files")
+    p.add_argument("--framework", choices=("torch", "mlx"), default="torch")
+    add_training_arguments(p)
     p.add_argument("--fragments", type=int, default=1, help="K > 1: Streaming DiLoCo")
     p.add_argument("--overlap-steps", type=int, default=None, help="tau: steps a sync overlaps")
     p.add_argument(
@@ -284,8 +298,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--clip", type=float, default=None, help="norm clip, x the round's median (default off)"
     )
-    p.add_argument("--outer-lr", type=float, default=0.7)
-    p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument(
         "--wait-nodes",
         type=int,
@@ -295,9 +307,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll-interval", type=float, default=0.2, help="seconds")
     p.add_argument("--lease-every", type=float, default=2.0, help="seconds")
     p.add_argument("--lease-timeout", type=float, default=10.0, help="seconds")
-    p.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
-    p.add_argument("--eval-every", type=int, default=0, help="steps between held-out losses")
-    p.add_argument("--eval-windows", type=int, default=64, help="held-out sequences")
     return p
 
 

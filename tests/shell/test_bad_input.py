@@ -135,22 +135,12 @@ def test_wait_for_nodes_returns_the_active_nodes_and_names_them_on_timeout(
     tmp_path: Path,
 ) -> None:
     url = f"file://{tmp_path / 'run'}"
-    with (
-        Session(
-            make_model(),
-            algorithm=ALGORITHM,
-            mailbox=mailbox_from_url(url),
-            learner_id="a",
-            **QUICK,
-        ) as a,
-        Session(
-            make_model(),
-            algorithm=ALGORITHM,
-            mailbox=mailbox_from_url(url),
-            learner_id="b",
-            **QUICK,
-        ) as b,
-    ):
+
+    def joined(name: str) -> Session:
+        mailbox = mailbox_from_url(url)
+        return Session(make_model(), algorithm=ALGORITHM, mailbox=mailbox, learner_id=name, **QUICK)
+
+    with joined("a") as a, joined("b") as b:
         both = sorted([a.learner_id, b.learner_id])
         assert a.wait_for_nodes(2, timeout=30) == both
         assert b.wait_for_nodes(2, timeout=30) == both
