@@ -190,11 +190,13 @@ def _follow(
         newest = {f["fragment"]: f["newest_round"] for f in report["fragments"]}
         first = first or (now, newest)
         minutes = (now - first[0]) / 60
+        fragments = report["manifest"]["algorithm"]["fragments"]
         for f in report["fragments"]:
-            # Rounds of this fragment committed since the first read, per minute.
-            done = (f["newest_round"] - first[1][f["fragment"]]) // report["manifest"]["algorithm"][
-                "fragments"
-            ]
+            # Rounds of this fragment committed since the first read, per minute: fragment k's
+            # rounds are k, k + K, ...; before its first commit it stood at k - K.
+            k = f["fragment"]
+            since = first[1][k] if first[1][k] >= 0 else k - fragments
+            done = (max(f["newest_round"], since) - since) // fragments
             f["rounds_per_minute"] = round(done / minutes, 2) if minutes > 0 else None
         if args.json:
             print(json.dumps(report), flush=True)
