@@ -123,7 +123,9 @@ class Trainer:
         self._base[k] = commit
         self._captured[k] = None
         self.rounds_seen = max(self.rounds_seen, merge.round)
-        staleness = self.steps - self._captured_at[k]
+        # Steps the commit overlapped: since this fragment's capture; none when it merges on
+        # the base (a round this node's snapshot was not part of).
+        staleness = self.steps - self._captured_at[k] if merge.since == "snapshot" else 0
         self._on_event(
             Merged(
                 node=self.node,

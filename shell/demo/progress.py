@@ -98,8 +98,12 @@ class Display:
         self._calls += 1
         if self._tty:
             # Move up over the previous block and clear each line before rewriting it; lines
-            # are cut to the terminal's width, since a wrapped line would break the count.
-            width = shutil.get_terminal_size().columns - 1
+            # are cut to the terminal's width, since a wrapped line would break the count, the
+            # block to its height, and a shorter block is padded with cleared lines.
+            columns, rows = shutil.get_terminal_size()
+            width = columns - 1
+            lines = list(lines)[: max(1, rows - 1)]
+            lines += [""] * (self._shown - len(lines))
             up = f"\x1b[{self._shown}F" if self._shown else ""
             self._stream.write(up + "".join(f"\x1b[2K{line[:width]}\n" for line in lines))
             self._shown = len(lines)

@@ -40,12 +40,14 @@ class OuterLoop:
         self.optimizer = torch.optim.SGD(self.params, lr=lr, momentum=momentum, nesterov=True)
 
     @torch.no_grad()
-    def step(self, workers: Sequence[torch.nn.Module]) -> None:
-        """One outer step on the mean of ``global - local`` over ``workers``, then every worker
-        holds the new global parameters."""
+    def step(self, workers: Sequence[torch.nn.Module], *, scale: float = 1.0) -> None:
+        """One outer step on the mean of ``global - local`` over ``workers`` (times ``scale``),
+        then every worker holds the new global parameters."""
         locals_ = [list(w.parameters()) for w in workers]
         for i, p in enumerate(self.params):
             p.grad = torch.stack([p - mine[i] for mine in locals_]).mean(dim=0)
+            if scale != 1.0:
+                p.grad.mul_(scale)
         self.optimizer.step()
         for mine in locals_:
             for p, q in zip(self.params, mine, strict=True):
@@ -97,6 +99,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             progress.write(step, counter, None, heldout=heldout())
         elif step % args.log_every == 0 or step == args.steps:
             progress.write(step, counter, None)
+    if args.steps % args.inner_steps:
+        # The steps since the last outer step make one more, shorter round, as a node's
+        # close() publishes them; its delta counts as H steps' (gradientmail's Decision 5,
+        # docs/decisions.md: the paper has no partial rounds).
+        partial = args.steps % args.inner_steps
+        outer.step([w.model for w in workers], scale=args.inner_steps / partial)
+        counter.rounds_seen += 1
     final = build(config, seed=args.seed)
     final.load_state_dict(outer.state(), strict=True)
     if args.final is not None:

@@ -107,6 +107,9 @@ class _Alone:
 
     rounds_seen = -1
 
+    def step(self, *, samples: int) -> None:
+        del samples
+
 
 class _Watch:
     """The events the progress lines show: each fragment's newest merged round, and the
@@ -125,13 +128,12 @@ class _Watch:
             self.stalled += event.seconds
 
     def fields(self) -> dict[str, Any]:
+        # Every fragment up to the highest merged, -1 for one not merged yet.
+        known = range(max(self.merged) + 1) if self.merged else range(0)
         return {
-            "fragments": [self.merged[k] for k in sorted(self.merged)],
+            "fragments": [self.merged.get(k, -1) for k in known],
             "stalled": round(self.stalled, 3),
         }
-
-    def step(self, *, samples: int) -> None:
-        del samples
 
 
 @contextlib.contextmanager

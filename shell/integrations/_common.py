@@ -35,10 +35,15 @@ class SessionHolder:
         if self.session is not None:
             raise RuntimeError("this callback already holds a Session: one training run each")
         mailbox = mailbox_from_url(self.mailbox) if isinstance(self.mailbox, str) else self.mailbox
-        self.session = Session(model, algorithm=self.algorithm, mailbox=mailbox, **self.options)
+        session = Session(model, algorithm=self.algorithm, mailbox=mailbox, **self.options)
         if self.wait_for_nodes > 1:
-            self.session.wait_for_nodes(self.wait_for_nodes)
-        return self.session
+            try:
+                session.wait_for_nodes(self.wait_for_nodes)
+            except BaseException:
+                session.close()
+                raise
+        self.session = session
+        return session
 
     def step(self, samples: int) -> None:
         if self.session is None:

@@ -17,8 +17,8 @@
 Data parallelism inside the group, DiLoCo between groups. Every rank of the group holds the same
 parameters (DDP keeps them so), so one rank, the group's first, holds the ``Session``: one lease
 and one node identity for the whole group, one snapshot per round. Each ``step`` sums the
-group's samples (one all-reduce of one number) and tells the group whether the leader merged a
-commit (one broadcast of one number); after a merge the leader broadcasts the parameters, so
+group's samples (one all-reduce of two numbers) and tells the group whether the leader merged a
+commit (one broadcast of three numbers); after a merge the leader broadcasts the parameters, so
 every rank continues from the same merged model at the same step. A rank that dies makes its
 group's next collective fail on every other rank: the group leaves the run (the leader's
 lease says so, or expires), and the run goes on without it.
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradientmail._events import Event, Merged, log_events
 from gradientmail._session import Session
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.mailboxes._protocol import Mailbox
@@ -56,7 +57,9 @@ class GroupSession:
             group's node).
 
     Must be created, stepped and closed by every rank of the group in the same order
-    (collectives); ``step`` and ``close`` raise on every rank when any rank failed.
+    (collectives). ``step``, ``wait_for_nodes`` and ``close`` raise on every rank when the
+    leader failed or a rank passed a bad sample count; a rank that died fails the others'
+    next collective (the backend's timeout or connection error).
     """
 
     def __init__(
@@ -78,21 +81,35 @@ class GroupSession:
         self._group = group
         self._rank = dist.get_rank(group)
         self._leader = dist.get_global_rank(group, 0) if group is not None else 0
-        self._params = [p for p in model.parameters()]
+        self._params = list(model.parameters())
+        # NCCL moves only CUDA tensors: the group's small control messages go where it can.
+        nccl = dist.get_backend(group) == "nccl"
+        self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
         self._session: Session | None = None
         self._closed = False
+        self._merges = 0  # the leader's merges, counted from its Session's Merged events
         failure: BaseException | None = None
         if self.is_leader:
+            callbacks = (*session_options.pop("callbacks", (log_events,)), self._count_merge)
             try:
                 opened = mailbox_from_url(mailbox) if isinstance(mailbox, str) else mailbox
                 self._session = Session(
-                    model, algorithm=algorithm, mailbox=opened, **session_options
+                    model,
+                    algorithm=algorithm,
+                    mailbox=opened,
+                    callbacks=callbacks,
+                    **session_options,
                 )
             except BaseException as exc:  # every rank must hear of it before raising
                 failure = exc
-        self._agree(failure, "joining the run")
-        self._broadcast_params()
-        self._rounds = self._session.rounds_seen if self._session is not None else -1
+        try:
+            rounds = self._session.rounds_seen if self._session is not None else -1
+            self._rounds, self._merged = self._agree(failure, "joining the run", rounds, 0)
+            self._broadcast_params()
+        except BaseException:
+            if self._session is not None:
+                self._session.close()
+            raise
 
     @property
     def is_leader(self) -> bool:
@@ -118,7 +135,7 @@ class GroupSession:
                 self._session.wait_for_nodes(count, timeout=timeout)
             except BaseException as exc:
                 failure = exc
-        self._agree(failure, "waiting for the run's nodes")
+        self._agree(failure, "waiting for the run's nodes", self._rounds, self._merged)
 
     def step(self, *, samples: int) -> None:
         """Account for one optimizer step of the group: ``samples`` is this rank's (tokens or
@@ -134,10 +151,11 @@ class GroupSession:
                 rounds = self._session.rounds_seen
             except BaseException as exc:
                 failure = exc
-        rounds = self._agree(failure, "stepping", value=rounds)
-        if rounds != self._rounds:
+        self._rounds, merged = self._agree(failure, "stepping", rounds, self._merges)
+        if merged != self._merged:
+            # Any merge, of any fragment, in any order: the leader's count moved.
             self._broadcast_params()
-            self._rounds = rounds
+            self._merged = merged
 
     def close(self) -> None:
         """Leave the run (the leader's ``Session.close``: last rounds published, committed and
@@ -152,7 +170,7 @@ class GroupSession:
                 self._rounds = self._session.rounds_seen
             except BaseException as exc:
                 failure = exc
-        self._rounds = self._agree(failure, "closing", value=self._rounds)
+        self._rounds, self._merged = self._agree(failure, "closing", self._rounds, self._merges)
         self._broadcast_params()
 
     def __enter__(self) -> GroupSession:
@@ -161,30 +179,50 @@ class GroupSession:
     def __exit__(self, *exc: object) -> None:
         if exc[0] is None:
             self.close()
-        elif self._session is not None:
-            # This rank failed (or a collective did): leave without waiting for the others.
+        elif self._session is not None and not self._closed:
+            # A collective failed (a rank died) or this rank raised: no collective can be
+            # trusted, so the leader leaves the run on its own (Session.close publishes its
+            # last progress and waits for those rounds, up to its close_timeout).
             self._closed = True
             self._session.close()
 
     # -- collectives ----------------------------------------------------------------------
 
-    def _sum(self, samples: int) -> int:
-        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
-            raise ValueError(f"samples must be a non-negative integer, got {samples!r}")
-        count = torch.tensor([samples], dtype=torch.int64)
-        dist.all_reduce(count, group=self._group)
-        return int(count.item())
+    def _count_merge(self, event: Event) -> None:
+        if isinstance(event, Merged):
+            self._merges += 1
 
-    def _agree(self, failure: BaseException | None, doing: str, value: int = 0) -> int:
-        """Broadcast the leader's outcome (ok and ``value``, or failed); raise on every rank
-        when the leader failed, ``failure`` itself on the leader."""
-        flag = torch.tensor([0 if failure is not None else 1, value], dtype=torch.int64)
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self._device)
+
+    def _sum(self, samples: int) -> int:
+        """The group's samples; every rank raises when any rank passed a bad count (checked
+        after the collective, so no rank is left waiting in it)."""
+        bad = isinstance(samples, bool) or not isinstance(samples, int) or samples < 0
+        count = self._tensor([0 if bad else samples, 1 if bad else 0])
+        dist.all_reduce(count, group=self._group)
+        total, invalid = (int(v) for v in count.tolist())
+        if invalid:
+            raise ValueError(
+                f"samples must be a non-negative integer on every rank; {invalid} rank(s) of the "
+                f"group passed another (this rank: {samples!r})"
+            )
+        return total
+
+    def _agree(
+        self, failure: BaseException | None, doing: str, rounds: int, merges: int
+    ) -> tuple[int, int]:
+        """Broadcast the leader's outcome (ok, its ``rounds_seen`` and merge count, or
+        failed); raise on every rank when the leader failed, ``failure`` itself on the
+        leader."""
+        flag = self._tensor([0 if failure is not None else 1, rounds, merges])
         dist.broadcast(flag, src=self._leader, group=self._group)
         if failure is not None:
             raise failure
-        if int(flag[0]) == 0:
+        ok, rounds, merges = (int(v) for v in flag.tolist())
+        if not ok:
             raise RuntimeError(f"the group's leader (rank 0) failed while {doing}; see its log")
-        return int(flag[1])
+        return rounds, merges
 
     def _broadcast_params(self) -> None:
         broadcast(self._params, src=self._leader, group=self._group)

@@ -179,13 +179,25 @@ def _follow(
     import time
 
     from gradientmail.demo.progress import Display
+    from gradientmail.mailboxes._protocol import TransientMailboxError
 
     display = Display(sys.stdout, every=1)
     first: tuple[float, dict[int, int]] | None = None
     reads = 0
     while args.count <= 0 or reads < args.count:
-        report = asyncio.run(read(max(1.0, args.watch)))
         reads += 1
+        try:
+            report = asyncio.run(read(max(1.0, args.watch)))
+        except TransientMailboxError as exc:
+            # A store that fails for a while is what a run rides out; so does its watcher.
+            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            line = f"{time.strftime('%H:%M:%S')} read {reads} failed: {message}"
+            if args.json:
+                print(line, file=sys.stderr, flush=True)
+            else:
+                display.show([line], force=True)
+            time.sleep(max(1.0, args.watch))
+            continue
         now = time.monotonic()
         newest = {f["fragment"]: f["newest_round"] for f in report["fragments"]}
         first = first or (now, newest)

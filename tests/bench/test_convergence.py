@@ -13,7 +13,8 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "convergence.py"
 
 
 def test_the_mailbox_run_matches_the_reference_in_the_report(tmp_path: Path) -> None:
-    command = [sys.executable, str(BENCH), "--quick", "--only", "ref,c", "--out", str(tmp_path)]
+    command = [sys.executable, str(BENCH), "--quick", "--only", "a,b1,ref,c"]
+    command += ["--out", str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "(c) within 1% of the reference: met (+0.000%)" in done.stdout
@@ -22,4 +23,7 @@ def test_the_mailbox_run_matches_the_reference_in_the_report(tmp_path: Path) -> 
     assert results["c"]["heldout"] == results["ref"]["heldout"]
     assert results["c"]["outer_steps"] == results["ref"]["outer_steps"] == 3
     assert results["c"]["sent"] > 0 and results["c"]["by_bytes"]
+    # The baselines train alone (no mailbox): data parallelism's bytes are computed.
+    assert results["a"]["sent"] > 0 and results["b1"]["sent"] == 0
+    assert results["b1"]["tokens"] * 4 == results["a"]["tokens"]
     assert (tmp_path / "convergence-tokens.png").stat().st_size > 0

@@ -234,6 +234,12 @@ def test_display_rewrites_in_place_on_a_terminal_and_prints_periodically_elsewhe
     assert tty.getvalue().count("\x1b[2F") == 3  # moved up over the two lines each time
     assert "\x1b" not in log.getvalue()
     assert log.getvalue().splitlines() == ["a0", "b0", "a3", "b3", "end"]
+    # A shorter block clears the lines the longer one left, and keeps the count right.
+    on_tty.show(["only"])
+    on_tty.show(["x", "y"])
+    redraws = tty.getvalue().split("\x1b[2F")
+    assert redraws[-2] == "\x1b[2Konly\n\x1b[2K\n"
+    assert redraws[-1] == "\x1b[2Kx\n\x1b[2Ky\n"
 
 
 def test_plots_are_png(tmp_path: Path) -> None:

@@ -77,3 +77,30 @@ def test_a_rank_that_dies_takes_its_group_out_not_the_run(tmp_path: Path) -> Non
     assert report.recomputed == report.commits >= 6
     names = {p.name for p in tmp_path.glob("*-rank*.json")}
     assert {"a-rank0.json", "a-rank1.json"} <= names and not any(n.startswith("b-") for n in names)
+
+
+def test_a_group_joining_a_run_with_commits_starts_from_them(tmp_path: Path) -> None:
+    # The second group's leader joins at the first group's newest commit; its other rank
+    # must agree on that before the first step (a group that did not hung here).
+    url = f"file://{tmp_path / 'run'}"
+    for node in ("a", "b"):
+        code, output = finish(torchrun(url, node, tmp_path, "--steps", "24", "--nodes", "1"))
+        assert code == 0, output[-4000:]
+    results = {
+        (r["node"], r["rank"]): r
+        for r in map(json.loads, map(Path.read_text, sorted(tmp_path.glob("*-rank*.json"))))
+    }
+    assert results["b", 0]["params"] == results["b", 1]["params"]
+    assert results["b", 0]["rounds"] > results["a", 0]["rounds"] >= 0
+    report = audit(mailbox_from_url(url), backend=TorchBackend())
+    assert report.recomputed == report.commits
+
+
+def test_a_bad_sample_count_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 'run'}"
+    code, output = finish(
+        torchrun(url, "a", tmp_path, "--steps", "20", "--nodes", "1", "--bad-samples-at", "5")
+    )
+    assert code != 0
+    # Both ranks raised the same clear error, neither waited out a collective's timeout.
+    assert output.count("samples must be a non-negative integer on every rank") >= 2, output[-4000:]

@@ -46,6 +46,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--die-at", type=int, default=-1, help="rank 1 exits at this step")
+    parser.add_argument(
+        "--bad-samples-at", type=int, default=-1, help="rank 1 passes samples=-1 at this step"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -68,7 +71,8 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            session.step(samples=BATCH)
+            bad = rank == 1 and step == args.bad_samples_at
+            session.step(samples=-1 if bad else BATCH)
     result = {
         "node": args.node,
         "rank": rank,
