@@ -205,7 +205,15 @@ class ArrayBackend(ArrayKernels):
                 update = self._plus_times_into(g, m, beta)
             else:
                 update = self._plus_times(g, m, beta)
-            new_master[name] = self._plus_times(self._f32(master[name]), update, -lr)
+            if reuse and update is not m:
+                # The update is the gradient's buffer, spent once the master has it.
+                new_master[name] = self._plus_times_over(self._f32(master[name]), update, -lr)
+            elif reuse and m is not g:
+                # Without Nesterov the update is the momentum; the spent gradient takes the
+                # new master.
+                new_master[name] = self._plus_times_to(self._f32(master[name]), m, -lr, g)
+            else:
+                new_master[name] = self._plus_times(self._f32(master[name]), update, -lr)
             new_momentum[name] = m
         return self._evaluated(new_master), self._evaluated(new_momentum)
 
@@ -336,6 +344,15 @@ class ArrayBackend(ArrayKernels):
 
     def _plus_times_into(self, a: Array, b: Array, s: float) -> Array:
         """``_plus_times``, computed into ``a`` where the framework can (``a`` is spent)."""
+        return self._plus_times(a, b, s)
+
+    def _plus_times_to(self, a: Array, b: Array, s: float, out: Array) -> Array:
+        """``_plus_times``, computed into ``out`` where the framework can (``out`` is spent
+        and is neither ``a`` nor ``b``)."""
+        return self._plus_times(a, b, s)
+
+    def _plus_times_over(self, a: Array, b: Array, s: float) -> Array:
+        """``_plus_times``, computed into ``b`` where the framework can (``b`` is spent)."""
         return self._plus_times(a, b, s)
 
     @abstractmethod

@@ -121,8 +121,9 @@ class Backend(Protocol):
         """One SGD step with (Nesterov) momentum, all F32, as torch.optim.SGD computes it:
         ``m = beta * m + g`` (``m = g`` when ``momentum`` is None); ``u = g + beta * m`` if
         Nesterov else ``m``; returns ``(master - lr * u, m)``. With ``reuse`` the backend may
-        compute into ``momentum`` and ``gradient`` (F32 tensors no one else holds), which saves
-        two temporaries the size of the fragment; ``master`` is never written."""
+        compute into ``momentum`` and ``gradient`` (F32 tensors no one else holds): the new
+        momentum into the momentum, the update and then the new master into the gradient,
+        which saves three temporaries the size of the fragment; ``master`` is never written."""
         ...
 
     def cast(self, tensors: Tensors, schema: Schema) -> Tensors:

@@ -274,6 +274,14 @@ class TorchBackend(ArrayBackend):
     def _plus_times_into(self, a: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
         return a.add_(b, alpha=s)
 
+    def _plus_times_over(self, a: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
+        return torch.add(a, b, alpha=s, out=b)
+
+    def _plus_times_to(
+        self, a: torch.Tensor, b: torch.Tensor, s: float, out: torch.Tensor
+    ) -> torch.Tensor:
+        return torch.add(a, b, alpha=s, out=out)
+
     def _at_least(self, t: torch.Tensor, low: int) -> torch.Tensor:
         return t.clamp(min=low)
 

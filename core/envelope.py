@@ -42,6 +42,7 @@ __all__ = [
     "Sealed",
     "payload_digest",
     "seal",
+    "seal_parts",
     "unseal",
 ]
 
@@ -89,6 +90,14 @@ def seal(record: bytes, payload: Payload = b"", *, compression: Compression = "o
     Raises ``ValueError`` for an empty record or one over ``MAX_RECORD_BYTES``, an unknown
     compression, or a ``"zstd"`` envelope without a payload.
     """
+    return b"".join(seal_parts(record, payload, compression=compression))
+
+
+def seal_parts(
+    record: bytes, payload: Payload = b"", *, compression: Compression = "off"
+) -> list[bytes | memoryview]:
+    """``seal``'s envelope as parts to be written one after the other: the header and record,
+    then ``payload``'s parts, uncopied. Raises as ``seal``."""
     if compression not in CODEC_IDS:
         raise ValueError(f"unknown compression {compression!r}; expected one of {COMPRESSIONS}")
     if not record:
@@ -102,7 +111,7 @@ def seal(record: bytes, payload: Payload = b"", *, compression: Compression = "o
             f'an empty payload must be sealed with compression "off", not {compression!r}'
         )
     header = _HEADER.pack(MAGIC, FORMAT_VERSION, CODEC_IDS[compression], 0, len(record), size)
-    return b"".join((header, record, *parts))
+    return [header + record, *parts]
 
 
 def unseal(blob: bytes, *, max_record: int = MAX_RECORD_BYTES, key: str | None = None) -> Sealed:

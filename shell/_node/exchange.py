@@ -25,7 +25,7 @@ import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import attrs
 
@@ -40,6 +40,7 @@ from gradientmail.core.envelope import (
     Payload,
     payload_digest,
     seal,
+    seal_parts,
     unseal,
 )
 from gradientmail.core.errors import FormatError
@@ -59,11 +60,15 @@ from gradientmail.core.robust import RECORD_BOUND, oversized
 from gradientmail.core.signing import Keyring
 from gradientmail.core.tensors import TensorBytes, Tensorish
 from gradientmail.mailboxes._protocol import (
+    Data,
     Mailbox,
     ObjectInfo,
     StoreUnavailable,
     TooLarge,
     TransientMailboxError,
+    data_size,
+    joined,
+    takes_parts,
 )
 
 __all__ = ["DEFAULT_OUTAGE", "WRITTEN_CACHE_BYTES", "Exchange", "new_nonce"]
@@ -145,6 +150,7 @@ class Exchange:
         if written_cache < 0:
             raise ValueError(f"written_cache must be >= 0 bytes, got {written_cache}")
         self.mailbox = mailbox
+        self._parts = takes_parts(mailbox)
         self.keyring = keyring
         self.clock = clock
         self.node = node
@@ -212,8 +218,12 @@ class Exchange:
         object raises ``TooLarge`` having cost one request and at most ``limit`` bytes."""
         return await self._retry("get", key, lambda: self.mailbox.get(key, limit=limit))
 
-    async def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
-        await self._retry("put", key, lambda: self.mailbox.put(key, data, durable=durable))
+    async def put(self, key: str, data: Data, *, durable: bool = True) -> None:
+        """Put ``data`` at ``key``; parts are joined for a mailbox that does not take them."""
+        mailbox: Any = self.mailbox  # a mailbox that takes parts types its data as Data
+        if not self._parts:
+            data = joined(data)
+        await self._retry("put", key, lambda: mailbox.put(key, data, durable=durable))
 
     async def create(self, key: str, data: bytes, *, durable: bool = True) -> bool:
         """Create a payload at ``key``; True when the object there is ours, even if a retry saw
@@ -224,7 +234,7 @@ class Exchange:
             return outcome == "created"
         return await self.get(key) == data
 
-    async def create_record(self, key: str, data: bytes, *, durable: bool = True) -> Created:
+    async def create_record(self, key: str, data: Data, *, durable: bool = True) -> Created:
         """Create the record ``data`` at ``key`` and say what became of it: created, taken,
         or ambiguous (a try failed in transit, then the key was found taken), the record found
         there read back for its nonce, which ``core.identity.ours`` judges (Decision 9)."""
@@ -234,14 +244,18 @@ class Exchange:
         return Created(key=key, outcome=outcome, nonce=await self._nonce_at(key))
 
     async def _create(
-        self, key: str, data: bytes, *, durable: bool
+        self, key: str, data: Data, *, durable: bool
     ) -> Literal["created", "taken", "ambiguous"]:
         retried = False
+        mailbox: Any = self.mailbox  # a mailbox that takes parts types its data as Data
+        if not self._parts:
+            data = joined(data)
 
         async def attempt() -> bool:
             nonlocal retried
             try:
-                return await self.mailbox.create(key, data, durable=durable)
+                created: bool = await mailbox.create(key, data, durable=durable)
+                return created
             except TransientMailboxError:
                 retried = True
                 raise
@@ -409,14 +423,17 @@ class Exchange:
         small (a quarter of the budget): comparing them costs less than hashing what is read
         back, and holding them little."""
         key = keys.snapshot(snapshot.round, snapshot.node)
-        blob = self._seal(snapshot, payload, compression)
+        parts = seal_parts(to_bytes(snapshot, self.keyring), payload, compression=compression)
+        size = data_size(parts)
+        remember = tensors is not None or size <= self._written_limit // 4
+        # Joined only when remembered (or for a mailbox that takes no parts): a large
+        # unquantized snapshot is written from the tensors' memory, never copied whole.
+        blob = joined(parts) if remember and size <= self._written_limit else None
         # Not durable (docs/decisions.md, "What must survive a crash"): a snapshot
         # lost with the machine is a round missed by its node, which crashed with it.
-        created = await self.create_record(key, blob, durable=False)
-        if created.outcome != "taken" and tensors is not None:
-            self._remember(key, tensors, blob=blob, record=snapshot)
-        elif created.outcome != "taken" and len(blob) <= self._written_limit // 4:
-            self._remember(key, {}, blob=blob, record=snapshot)
+        created = await self.create_record(key, blob or parts, durable=False)
+        if created.outcome != "taken" and blob is not None:
+            self._remember(key, tensors or {}, blob=blob, record=snapshot)
         return created
 
     async def snapshot(
@@ -468,15 +485,16 @@ class Exchange:
         passes False, so that they are not held twice. Lent tensors (``TensorView``) are
         never remembered: their owner may write them once this returns."""
         payload = compress_parts(tensors, compression)
-        blob = seal(
+        parts = seal_parts(
             canonical({"format": 1, "kind": "payload", "key": key}),
             payload,
             compression=compression,
         )
         # Put, not create: the key holds the writer's fresh nonce, so no other writer names
-        # it, and a put above the mailbox's part size goes in parts (docs/decisions.md).
-        await self.put(key, blob)
-        ref = PayloadRef(key=key, digest=payload_digest(payload), size=len(blob))
+        # it, and a put above the mailbox's part size goes in parts (docs/decisions.md). The
+        # parts are the tensors' own memory: nothing is copied whole to be written.
+        await self.put(key, parts)
+        ref = PayloadRef(key=key, digest=payload_digest(payload), size=data_size(parts))
         copied = {n: t for n, t in tensors.items() if isinstance(t, TensorBytes)}
         if remember and len(copied) == len(tensors):
             self._remember(key, copied, ref=ref)

@@ -25,11 +25,13 @@ from pathlib import Path
 from typing import TypeVar
 
 from gradientmail.mailboxes._protocol import (
+    Data,
     MailboxError,
     ObjectInfo,
     RequestStats,
     TooLarge,
     TransientMailboxError,
+    data_size,
     is_valid_key,
     validate_key,
     validate_prefix,
@@ -76,7 +78,12 @@ class DirectoryMailbox:
             sequential (each awaits one request at a time on its own thread), so a thread hop
             buys them nothing and costs CPU on every request (docs/decisions.md, "Directory
             requests run on the caller's thread").
+
+    ``put`` and ``create`` take ``Data`` in parts (``takes_parts``): each part is written to the
+    temporary file in turn, so a payload is never joined into one copy to be written.
     """
+
+    takes_parts = True
 
     def __init__(
         self, root: str | os.PathLike[str], *, fsync: bool = True, offload: bool = False
@@ -104,14 +111,14 @@ class DirectoryMailbox:
         self.stats.count("get", bytes_in=0 if data is None else len(data))
         return data
 
-    async def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
+    async def put(self, key: str, data: Data, *, durable: bool = True) -> None:
         path = self._path(key, "put")
-        self.stats.count("put", bytes_out=len(data))
+        self.stats.count("put", bytes_out=data_size(data))
         await self._run("put", key, self._replace, path, data, self._fsync and durable)
 
-    async def create(self, key: str, data: bytes, *, durable: bool = True) -> bool:
+    async def create(self, key: str, data: Data, *, durable: bool = True) -> bool:
         path = self._path(key, "create")
-        self.stats.count("create", bytes_out=len(data))
+        self.stats.count("create", bytes_out=data_size(data))
         return await self._run("create", key, self._link, path, data, self._fsync and durable)
 
     async def delete(self, key: str) -> None:
@@ -148,7 +155,7 @@ class DirectoryMailbox:
             kind = TransientMailboxError if error.errno in _TRANSIENT_ERRNOS else MailboxError
             raise kind(str(error), store=self.url, key=key, operation=operation) from error
 
-    def _link(self, path: str, data: bytes, fsync: bool) -> bool:
+    def _link(self, path: str, data: Data, fsync: bool) -> bool:
         directory = os.path.dirname(path)
         temp = self._write_temporary(directory, data, fsync)
         try:
@@ -163,7 +170,7 @@ class DirectoryMailbox:
             _sync_directory(directory)
         return True
 
-    def _replace(self, path: str, data: bytes, fsync: bool) -> None:
+    def _replace(self, path: str, data: Data, fsync: bool) -> None:
         directory = os.path.dirname(path)
         temp = self._write_temporary(directory, data, fsync)
         try:
@@ -189,7 +196,7 @@ class DirectoryMailbox:
                 return
             directory = os.path.dirname(directory)
 
-    def _write_temporary(self, directory: str, data: bytes, fsync: bool) -> str:
+    def _write_temporary(self, directory: str, data: Data, fsync: bool) -> str:
         """A fully written (and, with ``fsync``, fsynced) temporary file in ``directory``."""
         for _ in range(_DIRECTORY_ATTEMPTS):
             temp = f"{directory}/{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
@@ -207,7 +214,8 @@ class DirectoryMailbox:
                 raise _KeyConflict(f"a key above {directory} is an object") from None
             try:
                 with os.fdopen(descriptor, "wb") as file:
-                    file.write(data)
+                    for part in (data,) if isinstance(data, bytes) else data:
+                        file.write(part)
                     file.flush()
                     if fsync:
                         os.fsync(file.fileno())

@@ -28,12 +28,15 @@ import obstore
 from obstore import exceptions as obstore_errors
 
 from gradientmail.mailboxes._protocol import (
+    Data,
     MailboxError,
     ObjectInfo,
     RequestStats,
     TooLarge,
     TransientMailboxError,
+    data_size,
     is_valid_key,
+    joined,
     validate_key,
     validate_prefix,
 )
@@ -133,6 +136,9 @@ def open_store(
 class ObjectStoreMailbox:
     """A mailbox in an object store.
 
+    ``put`` takes ``Data`` in parts (``takes_parts``) and streams a large one into a multipart
+    upload a part's size at a time; ``create`` joins them (one conditional request).
+
     Args:
         target: a URL as :func:`open_store` takes, or an obstore store object (``S3Store``,
             ``MemoryStore``, ``LocalStore``, ...).
@@ -141,6 +147,8 @@ class ObjectStoreMailbox:
             retries) is sent in all, with exponential backoff from 0.1 s; at least 1.
         client_options, retry_config, config: passed to :func:`open_store` with a URL.
     """
+
+    takes_parts = True
 
     def __init__(
         self,
@@ -172,13 +180,16 @@ class ObjectStoreMailbox:
         validate_key(key, store=self.url, operation="get")
         return await self._retry("get", key, lambda: self._get(key, limit))
 
-    async def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
+    async def put(self, key: str, data: Data, *, durable: bool = True) -> None:
         validate_key(key, store=self.url, operation="put")
         await self._retry("put", key, lambda: self._put(key, data))
 
-    async def create(self, key: str, data: bytes, *, durable: bool = True) -> bool:
+    async def create(self, key: str, data: Data, *, durable: bool = True) -> bool:
+        """``Mailbox.create``; parts are joined first (a conditional create is one request,
+        and an ambiguous one is resolved by comparing the bytes read back)."""
         validate_key(key, store=self.url, operation="create")
-        return await self._retry("create", key, lambda: self._create(key, data))
+        whole = joined(data)
+        return await self._retry("create", key, lambda: self._create(key, whole))
 
     async def delete(self, key: str) -> None:
         validate_key(key, store=self.url, operation="delete")
@@ -241,12 +252,19 @@ class ObjectStoreMailbox:
                 raise  # anything else is the request's failure, for the caller to map
             return await obstore.get_async(self._store, key)
 
-    async def _put(self, key: str, data: bytes) -> None:
+    async def _put(self, key: str, data: Data) -> None:
         # Above PART_BYTES obstore uploads in parts (multipart upload, block list), sending
-        # slices of `data` without copying it whole; an interrupted upload leaves no object.
-        self.stats.count("put", bytes_out=len(data))
+        # slices of `data` (or of each of its parts, gathered a part's size at a time) without
+        # copying it whole; an interrupted upload leaves no object.
+        size = data_size(data)
+        self.stats.count("put", bytes_out=size)
+        body: bytes | list[memoryview]
+        if isinstance(data, bytes) or size <= PART_BYTES:
+            body = joined(data)
+        else:
+            body = [memoryview(part).cast("B") for part in data if len(part)]
         await obstore.put_async(
-            self._store, key, data, chunk_size=PART_BYTES, max_concurrency=PARTS_IN_FLIGHT
+            self._store, key, body, chunk_size=PART_BYTES, max_concurrency=PARTS_IN_FLIGHT
         )
 
     async def _create(self, key: str, data: bytes) -> bool:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import re
 import threading
-from typing import Protocol, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, TypeAlias, runtime_checkable
 
 import attrs
 
@@ -23,6 +24,7 @@ from gradientmail.core.errors import GradientmailError
 
 __all__ = [
     "BadKey",
+    "Data",
     "Mailbox",
     "MailboxError",
     "ObjectInfo",
@@ -30,6 +32,9 @@ __all__ = [
     "StoreUnavailable",
     "TooLarge",
     "TransientMailboxError",
+    "data_size",
+    "joined",
+    "takes_parts",
     "validate_key",
     "validate_prefix",
 ]
@@ -45,6 +50,27 @@ _SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
 # clears it, and only a key that fails is taken apart to say why.
 _PLAIN_KEY = re.compile(r"[A-Za-z0-9._-]{1,255}(?:/[A-Za-z0-9._-]{1,255})*")
 _KINDS = ("get", "put", "create", "list", "delete")
+
+Data: TypeAlias = bytes | Sequence[bytes | memoryview]
+"""An object's bytes as a writer hands them over: one ``bytes``, or parts whose concatenation
+they are (a payload's header and each tensor's memory, so that a large payload is never copied
+whole to be written). Only a mailbox whose ``takes_parts`` is true is handed parts."""
+
+
+def data_size(data: Data) -> int:
+    """The object's size in bytes."""
+    return len(data) if isinstance(data, bytes) else sum(memoryview(p).nbytes for p in data)
+
+
+def joined(data: Data) -> bytes:
+    """The object's bytes in one piece (a copy when ``data`` is parts)."""
+    return data if isinstance(data, bytes) else b"".join(data)
+
+
+def takes_parts(mailbox: object) -> bool:
+    """Whether ``mailbox``'s ``put`` and ``create`` take ``Data`` in parts (a class attribute
+    ``takes_parts``; a mailbox without it is handed ``bytes``)."""
+    return getattr(mailbox, "takes_parts", False) is True
 
 
 class MailboxError(GradientmailError):

@@ -8,7 +8,9 @@ Run it on your own mailbox the way ``trio.testing.check_two_way_stream`` is run 
 
 from __future__ import annotations
 
+import array
 import asyncio
+import itertools
 import multiprocessing
 import random
 import secrets
@@ -24,6 +26,7 @@ from gradientmail.mailboxes._protocol import (
     ObjectInfo,
     RequestStats,
     TooLarge,
+    takes_parts,
 )
 
 __all__ = ["BAD_KEYS", "BAD_PREFIXES", "check_mailbox"]
@@ -337,6 +340,34 @@ def _check_large(context: _Context) -> None:
     _run(context, body)
 
 
+def _check_parts(context: _Context) -> None:
+    """A mailbox that says it takes parts (``takes_parts``) writes their concatenation:
+    ``put`` and ``create``, a few small parts and, for ``put``, the large object in parts of
+    uneven sizes (memoryviews of a float array among them, as tensors are handed over)."""
+    key = context.key("parts")
+    small = [b"head", memoryview(array.array("f", [1.5, -2.0, 3.25])), b"", bytearray(b"tail")]
+    size = context.large_size
+    generator = random.Random(size + 1)
+    whole = b"".join(generator.randbytes(min(2**20, size - at)) for at in range(0, size, 2**20))
+    cuts = sorted({0, len(whole), *(generator.randrange(len(whole) + 1) for _ in range(5))})
+    large = [memoryview(whole)[a:b] for a, b in itertools.pairwise(cuts)]
+
+    async def body(mailbox: Mailbox) -> None:
+        if not takes_parts(mailbox):
+            return
+        parts_mailbox: Any = mailbox
+        assert await parts_mailbox.create(key, small) is True
+        expected = b"".join(bytes(p) for p in small)
+        assert await mailbox.get(key) == expected, "parts created did not read back joined"
+        assert await parts_mailbox.create(key, [b"other"]) is False, "a taken key was created"
+        await parts_mailbox.put(key, large)
+        assert await mailbox.get(key) == whole, f"{len(large)} parts put did not read back"
+        assert [info.size for info in await mailbox.list(key)] == [len(whole)]
+        await mailbox.delete(key)
+
+    _run(context, body)
+
+
 def _check_concurrent_readers(context: _Context) -> None:
     """Readers racing a writer see the old object, the new one or none; never a mixture."""
     size = max(2**16, min(context.large_size, 2**21))
@@ -479,6 +510,7 @@ _CHECKS: tuple[Callable[[_Context], None], ...] = (
     _check_create_race,
     _check_process_race,
     _check_large,
+    _check_parts,
     _check_limit,
     _check_concurrent_readers,
     _check_bad_keys,

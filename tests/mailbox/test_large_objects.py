@@ -5,6 +5,7 @@ payload through each store: put about 0.003x extra, get about 1.04x (its own res
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -12,12 +13,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
 from gradientmail import mailbox_from_url
 from gradientmail.mailboxes._objectstore import PART_BYTES, STREAM_ABOVE
+from gradientmail.mailboxes._protocol import takes_parts
 
 PROBE = Path(__file__).with_name("large_object.py")
 GIB = 2**30
@@ -44,14 +47,19 @@ def test_a_1_gib_payload_through_each_store_needs_little_memory_beyond_itself(
     assert figures["get_extra"] < 1.2, f"get peaked at {figures['get_extra']:.2f}x extra"
 
 
-def test_a_payload_of_several_parts_round_trips_on_each_store(store_url: str) -> None:
+@pytest.mark.parametrize("handed", ["bytes", "parts"])
+def test_a_payload_of_several_parts_round_trips_on_each_store(store_url: str, handed: str) -> None:
     size = 2 * PART_BYTES + 12345
     assert size >= STREAM_ABOVE
     data = os.urandom(2**20) * (size // 2**20) + os.urandom(size % 2**20)
+    # As a payload is handed over: a header, then each tensor's memory, in uneven parts.
+    cuts = [0, 100, PART_BYTES - 7, PART_BYTES + 5, size]
+    parts = [memoryview(data)[a:b] for a, b in itertools.pairwise(cuts)]
 
     async def main() -> None:
-        mailbox = mailbox_from_url(store_url)
-        await mailbox.put("big/object", data)
+        mailbox: Any = mailbox_from_url(store_url)
+        assert takes_parts(mailbox)
+        await mailbox.put("big/object", data if handed == "bytes" else parts)
         assert await mailbox.get("big/object") == data
         [info] = await mailbox.list("big/")
         assert info.size == size
