@@ -120,7 +120,9 @@ def _compress_zstd(tensors: Mapping[str, Tensorish]) -> bytes:
     return _zstd_compress(zstd, blob, _plane_bounds(blob))
 
 
-def decompress(data: bytes, compression: Compression, *, limit: int) -> dict[str, TensorBytes]:
+def decompress(
+    data: bytes | memoryview, compression: Compression, *, limit: int
+) -> dict[str, TensorBytes]:
     """The tensors in payload ``data`` stored under ``compression``, read as untrusted input.
 
     ``limit`` bounds the decompressed (safetensors) size in bytes; ``max_packed_size`` gives it
@@ -219,7 +221,7 @@ def _zstd_compress(zstd: ModuleType, blob: bytes, bounds: list[int]) -> bytes:
     return b"".join(chunks)
 
 
-def _zstd_decompress(zstd: ModuleType, data: bytes, limit: int) -> bytes:
+def _zstd_decompress(zstd: ModuleType, data: bytes | memoryview, limit: int) -> bytes:
     if data[:4] != ZSTD_MAGIC:
         raise FormatError("payload is not a zstd frame (bad magic)")
     try:

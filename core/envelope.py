@@ -60,11 +60,12 @@ _CODECS: Mapping[int, Compression] = {code: name for name, code in CODEC_IDS.ite
 @attrs.frozen(kw_only=True)
 class Sealed:
     """The parts of an envelope: its record bytes and its payload as stored (still compressed
-    under ``compression``; empty when the object carries no tensors)."""
+    under ``compression``; empty when the object carries no tensors). The payload is a view of
+    the envelope's bytes, not a copy: a payload the size of a fragment is held once."""
 
     record: bytes = attrs.field(repr=lambda r: f"<{len(r)} bytes>")
     compression: Compression
-    payload: bytes = attrs.field(repr=lambda p: f"<{len(p)} bytes>")
+    payload: bytes | memoryview = attrs.field(repr=lambda p: f"<{len(p)} bytes>")
 
 
 Payload: TypeAlias = bytes | Sequence[bytes | memoryview]
@@ -72,11 +73,11 @@ Payload: TypeAlias = bytes | Sequence[bytes | memoryview]
 (``codecs.compress_parts``), so that sealing copies the data once."""
 
 
-def _parts(payload: Payload) -> Sequence[bytes | memoryview]:
-    return (payload,) if isinstance(payload, bytes) else payload
+def _parts(payload: Payload | memoryview) -> Sequence[bytes | memoryview]:
+    return (payload,) if isinstance(payload, bytes | memoryview) else payload
 
 
-def payload_digest(payload: Payload) -> str:
+def payload_digest(payload: Payload | memoryview) -> str:
     """SHA-256, as 64 lowercase hex digits, of ``payload`` as stored in the envelope."""
     digest = hashlib.sha256()
     for part in _parts(payload):
@@ -84,7 +85,9 @@ def payload_digest(payload: Payload) -> str:
     return digest.hexdigest()
 
 
-def seal(record: bytes, payload: Payload = b"", *, compression: Compression = "off") -> bytes:
+def seal(
+    record: bytes, payload: Payload | memoryview = b"", *, compression: Compression = "off"
+) -> bytes:
     """The envelope of ``record`` and ``payload`` (already compressed under ``compression``).
 
     Raises ``ValueError`` for an empty record or one over ``MAX_RECORD_BYTES``, an unknown
@@ -94,7 +97,7 @@ def seal(record: bytes, payload: Payload = b"", *, compression: Compression = "o
 
 
 def seal_parts(
-    record: bytes, payload: Payload = b"", *, compression: Compression = "off"
+    record: bytes, payload: Payload | memoryview = b"", *, compression: Compression = "off"
 ) -> list[bytes | memoryview]:
     """``seal``'s envelope as parts to be written one after the other: the header and record,
     then ``payload``'s parts, uncopied. Raises as ``seal``."""
@@ -144,7 +147,8 @@ def unseal(blob: bytes, *, max_record: int = MAX_RECORD_BYTES, key: str | None =
     if compression != "off" and not payload_len:
         raise FormatError(f"envelope declares codec {compression!r} but no payload", key=key)
     end = HEADER_BYTES + record_len
-    return Sealed(record=blob[HEADER_BYTES:end], compression=compression, payload=blob[end:])
+    payload = memoryview(blob)[end:] if len(blob) > end else b""
+    return Sealed(record=bytes(blob[HEADER_BYTES:end]), compression=compression, payload=payload)
 
 
 def _check_lengths(

@@ -339,7 +339,7 @@ _PACK_RANK: Mapping[PayloadDType, int] = {dtype: rank for rank, dtype in enumera
 """The order ``safetensors.serialize`` lays out dtypes: its ``Dtype`` enum's, descending."""
 
 
-def unpack(blob: bytes) -> dict[str, TensorBytes]:
+def unpack(blob: bytes | memoryview) -> dict[str, TensorBytes]:
     """Read safetensors bytes from an untrusted source, ignoring ``__metadata__``.
 
     Raises ``FormatError`` (and nothing else) when the header is too large, overruns the blob or

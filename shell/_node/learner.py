@@ -15,7 +15,7 @@ from gradientmail._events import Callback, Published, Rejected
 from gradientmail._node.drive import Inbox, Loop
 from gradientmail._node.exchange import Exchange
 from gradientmail._node.handoff import Handoff, Handover, Job, OwnSnapshot, Ready
-from gradientmail._node.payloads import read_fragment
+from gradientmail._node.payloads import load_spending, read_fragment
 from gradientmail.adapters.base import Backend, Tensors
 from gradientmail.core import polling
 from gradientmail.core.codecs import Compression, compress_parts
@@ -192,7 +192,7 @@ class LearnerLoop(Loop[polling.PollState]):
             return ParamsRead(fragment=k, commit=commit, present=True)
         result, found = await read_params(self._exchange, self._manifest, k, commit)
         if found is not None and commit is not None:
-            self._params[k] = (commit, self._backend.load(found))
+            self._params[k] = (commit, load_spending(self._backend, found))
         return result
 
     async def _deliver(self, deliver: Deliver) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from gradientmail._node.exchange import Exchange
 from gradientmail.adapters.base import Backend, Tensors
 from gradientmail.core.errors import FormatError
@@ -11,6 +13,7 @@ from gradientmail.core.tensors import Schema, TensorBytes, TensorView, validate
 
 __all__ = [
     "add_to_sum",
+    "load_spending",
     "outer_gradient",
     "outer_state",
     "read_base",
@@ -32,6 +35,16 @@ def add_to_sum(
         return backend.weighted_sum([(weight, delta)])
     # total * 1.0 is total: the same two roundings, a product and a sum, as weighted_sum's.
     return backend.weighted_sum([(1.0, total), (weight, delta)])
+
+
+def load_spending(backend: Backend, tensors: dict[str, TensorBytes]) -> Tensors:
+    """``backend.load(tensors)`` a tensor at a time, taking each tensor's bytes out of
+    ``tensors`` as it is loaded: a fragment's bytes and its loaded tensors are never held whole
+    side by side (``tensors`` is empty afterwards)."""
+    loaded: dict[str, Any] = {}
+    for name in list(tensors):
+        loaded |= backend.load({name: tensors.pop(name)})
+    return loaded
 
 
 def scaled(backend: Backend, total: Tensors, scale: float) -> Tensors:
@@ -101,14 +114,14 @@ async def read_outer_state(
             f"holds {unlike[:8]} unlike the fragment's outer state", key=commit.state.key
         )
     validate(layout, state, layout.names)
-    loaded = backend.load(state)
+    loaded = load_spending(backend, state)
     if layout is layouts[0]:  # the master is in the state
         master = {n: loaded[f"master.{n}"] for n in schema.names}
     elif master is None:
         params = await read_fragment(exchange, commit.params, schema)
         if params is None:
             return None
-        master = backend.load(params)
+        master = load_spending(backend, params)
     return master, {n: loaded[f"momentum.{n}"] for n in schema.names}
 
 
@@ -131,4 +144,4 @@ async def read_base(
     init = await read_fragment(exchange, manifest.init[fragment], schema)
     if init is None:
         return None
-    return backend.cast(backend.load(init), schema.f32), None
+    return backend.cast(load_spending(backend, init), schema.f32), None
