@@ -16,6 +16,7 @@ from gradientmail._node.drive import Inbox, Loop
 from gradientmail._node.exchange import Exchange
 from gradientmail._node.handoff import Handoff, Handover, Job, OwnSnapshot, Ready
 from gradientmail._node.payloads import load_spending, read_fragment
+from gradientmail._node.release import release_memory
 from gradientmail.adapters.base import Backend, Tensors
 from gradientmail.core import polling
 from gradientmail.core.codecs import Compression, compress_parts
@@ -147,6 +148,8 @@ class LearnerLoop(Loop[polling.PollState]):
         remembered = payload if self._algorithm.quantization is not None else None
         created = await self._exchange.publish(snapshot, data, self._compression, remembered)
         self._sent[publish.round] = (job, snapshot, delta, sum(len(part) for part in data))
+        del payload, data, remembered
+        release_memory()  # the capture's encoded bytes are spent
         return Uploaded(round=publish.round, created=created)
 
     async def _watch(self, watch: Watch) -> None:

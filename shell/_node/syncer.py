@@ -32,6 +32,7 @@ from gradientmail._node.exchange import Exchange
 from gradientmail._node.handoff import Handover
 from gradientmail._node.learner import UNTRUSTED, read_commit
 from gradientmail._node.payloads import add_to_sum, outer_state, read_base, scaled
+from gradientmail._node.release import release_memory
 from gradientmail.adapters.base import Backend, Tensors
 from gradientmail.core import effects as fx
 from gradientmail.core import keys, syncer
@@ -321,6 +322,7 @@ class SyncerLoop(Loop[syncer.SyncerState]):
         # The step's outer state (its momentum is never None after a step).
         assert work.master is not None and work.momentum is not None and work.params is not None
         self._keep_state(commit, work.master, work.momentum, work.params)
+        release_memory()  # the step's temporaries are spent
         self._learner.put(committed)
         self._on_event(
             Committed(
@@ -402,7 +404,8 @@ class SyncerLoop(Loop[syncer.SyncerState]):
                 self._handover.drop_own(parsed.round)
 
     async def _drop(self, drop: fx.Drop) -> None:
-        self._work.pop(drop.round, None)
+        if self._work.pop(drop.round, None) is not None:
+            release_memory()  # the round's sum, step and payloads are spent
 
     # -- reports --------------------------------------------------------------------------
 
