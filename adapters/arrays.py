@@ -32,6 +32,7 @@ from gradientmail.core.tensors import (
     Schema,
     SchemaMismatch,
     TensorBytes,
+    Tensorish,
     TensorView,
     scale_name,
 )
@@ -68,7 +69,7 @@ class ArrayBackend(ArrayKernels):
             return self.load(adapter.read(names))
         return self._capture(adapter, names)
 
-    def load(self, tensors: Mapping[str, TensorBytes]) -> Tensors:
+    def load(self, tensors: Mapping[str, Tensorish]) -> Tensors:
         loaded = {}
         for name, value in tensors.items():
             if value.dtype not in DTYPES:
@@ -284,7 +285,7 @@ class ArrayBackend(ArrayKernels):
         of it, rounded to its dtype."""
 
     @abstractmethod
-    def _array(self, value: TensorBytes) -> Array:
+    def _array(self, value: Tensorish) -> Array:
         """An array of ``value``: its dtype for F32/F16/BF16, else its raw bytes (uint8)."""
 
     @abstractmethod

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
-from gradientmail.core.tensors import Quantized, Schema, TensorBytes, TensorView
+from gradientmail.core.tensors import Quantized, Schema, TensorBytes, Tensorish, TensorView
 
 __all__ = ["Adapter", "Backend", "Tensors"]
 
@@ -32,7 +32,7 @@ class Adapter(Protocol):
         """Contiguous host copies of the named parameters."""
         ...
 
-    def write(self, tensors: Mapping[str, TensorBytes]) -> None:
+    def write(self, tensors: Mapping[str, Tensorish]) -> None:
         """Overwrite the named parameters in place; optimizers keep their references."""
         ...
 
@@ -61,8 +61,10 @@ class Backend(Protocol):
         """Block until the copies ``capture`` started are complete (CUDA events); no-op else."""
         ...
 
-    def load(self, tensors: Mapping[str, TensorBytes]) -> Tensors:
-        """Framework tensors of ``tensors``, keeping their dtype (F32, F16 or BF16)."""
+    def load(self, tensors: Mapping[str, Tensorish]) -> Tensors:
+        """Framework tensors of ``tensors``, keeping their dtype (F32, F16 or BF16). A view
+        of writable memory (``TensorView`` of a buffer its reader owns) may be taken over
+        without a copy: the tensor then shares it."""
         ...
 
     def dump(self, tensors: Tensors) -> dict[str, TensorBytes]:

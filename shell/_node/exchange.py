@@ -32,7 +32,12 @@ import attrs
 from gradientmail._clock import Clock
 from gradientmail._events import Callback, Rejected, Retried
 from gradientmail.core import keys
-from gradientmail.core.codecs import Compression, compress_parts, decompress
+from gradientmail.core.codecs import (
+    Compression,
+    compress_parts,
+    decompress,
+    decompress_views,
+)
 from gradientmail.core.effects import Created
 from gradientmail.core.envelope import (
     HEADER_BYTES,
@@ -67,6 +72,7 @@ from gradientmail.mailboxes._protocol import (
     TooLarge,
     TransientMailboxError,
     data_size,
+    gives_buffers,
     joined,
     takes_parts,
 )
@@ -151,6 +157,7 @@ class Exchange:
             raise ValueError(f"written_cache must be >= 0 bytes, got {written_cache}")
         self.mailbox = mailbox
         self._parts = takes_parts(mailbox)
+        self._buffers = gives_buffers(mailbox)
         self.keyring = keyring
         self.clock = clock
         self.node = node
@@ -217,6 +224,17 @@ class Exchange:
         """The object at ``key`` (None if absent); ``limit`` as ``Mailbox.get``: a larger
         object raises ``TooLarge`` having cost one request and at most ``limit`` bytes."""
         return await self._retry("get", key, lambda: self.mailbox.get(key, limit=limit))
+
+    async def get_buffer(self, key: str, *, limit: int | None = None) -> bytes | bytearray | None:
+        """``get``, into a ``bytearray`` the caller owns where the mailbox gives one
+        (``gives_buffers``), else the mailbox's ``bytes``."""
+        if not self._buffers:
+            return await self.get(key, limit=limit)
+        mailbox: Any = self.mailbox
+        found: bytearray | None = await self._retry(
+            "get", key, lambda: mailbox.get_buffer(key, limit=limit)
+        )
+        return found
 
     async def put(self, key: str, data: Data, *, durable: bool = True) -> None:
         """Put ``data`` at ``key``; parts are joined for a mailbox that does not take them."""
@@ -500,15 +518,17 @@ class Exchange:
             self._remember(key, copied, ref=ref)
         return ref
 
-    async def read_payload(self, ref: PayloadRef, *, limit: int) -> dict[str, TensorBytes] | None:
+    async def read_payload(self, ref: PayloadRef, *, limit: int) -> dict[str, Tensorish] | None:
         """The tensors of ``ref``, verified against its digest; None when the object is gone
         (collected); ``FormatError`` when it is corrupt. A payload this exchange wrote and still
-        remembers, under the same key, digest and size, is returned without a request."""
+        remembers, under the same key, digest and size, is returned without a request.
+        Uncompressed tensors are views of the object as read (``TensorView``), which the caller
+        owns: a backend loads them without a copy where the mailbox gave a writable buffer."""
         remembered = self._recall_written(ref)
         if remembered is not None:
-            return remembered
+            return dict(remembered)
         try:
-            blob = await self.get(ref.key, limit=ref.size)
+            blob = await self.get_buffer(ref.key, limit=ref.size)
         except TooLarge as exc:
             raise FormatError(
                 f"payload is {exc.size} bytes, its record says {ref.size}; not downloaded",
@@ -524,7 +544,11 @@ class Exchange:
         if payload_digest(sealed.payload) != ref.digest:
             raise FormatError("payload does not match the record's digest", key=ref.key)
         try:
-            return decompress(sealed.payload, sealed.compression, limit=limit)
+            # A buffer the mailbox gave is this read's alone: its tensors may keep it.
+            owned = isinstance(blob, bytearray)
+            return decompress_views(
+                memoryview(sealed.payload), sealed.compression, limit=limit, owned=owned
+            )
         except FormatError as exc:
             raise FormatError(f"payload: {exc}", key=ref.key) from None
 

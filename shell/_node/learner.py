@@ -40,7 +40,7 @@ from gradientmail.core.effects import Rejected as Reject
 from gradientmail.core.envelope import payload_digest
 from gradientmail.core.errors import NonFinite, RejectedObject, SchemaMismatch
 from gradientmail.core.records import Commit, Manifest, Snapshot
-from gradientmail.core.tensors import TensorBytes
+from gradientmail.core.tensors import Tensorish
 
 __all__ = ["LearnerLoop", "read_commit", "read_params"]
 
@@ -59,7 +59,7 @@ async def read_commit(exchange: Exchange, r: int, *, verify: bool = True) -> Com
 
 async def read_params(
     exchange: Exchange, manifest: Manifest, k: int, commit: Commit | None
-) -> tuple[ParamsRead, dict[str, TensorBytes] | None]:
+) -> tuple[ParamsRead, dict[str, Tensorish] | None]:
     """Load and verify the parameters ``commit`` names (the initial ones when None)."""
     ref = commit.params if commit is not None else manifest.init[k]
     try:

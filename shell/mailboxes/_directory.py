@@ -80,10 +80,13 @@ class DirectoryMailbox:
             requests run on the caller's thread").
 
     ``put`` and ``create`` take ``Data`` in parts (``takes_parts``): each part is written to the
-    temporary file in turn, so a payload is never joined into one copy to be written.
+    temporary file in turn, so a payload is never joined into one copy to be written; and
+    ``get_buffer`` reads an object into a ``bytearray`` the caller owns (``gives_buffers``), so
+    a payload's tensors can be loaded without copying them out of it.
     """
 
     takes_parts = True
+    gives_buffers = True
 
     def __init__(
         self, root: str | os.PathLike[str], *, fsync: bool = True, offload: bool = False
@@ -105,6 +108,16 @@ class DirectoryMailbox:
     async def get(self, key: str, *, limit: int | None = None) -> bytes | None:
         path = self._path(key, "get")
         data = await self._run("get", key, _read_file, path, limit)
+        if isinstance(data, int):
+            self.stats.count("get")
+            raise TooLarge(store=self.url, key=key, size=data, limit=limit or 0)
+        self.stats.count("get", bytes_in=0 if data is None else len(data))
+        return data
+
+    async def get_buffer(self, key: str, *, limit: int | None = None) -> bytearray | None:
+        """``get``, the object read into a ``bytearray`` the caller owns (``gives_buffers``)."""
+        path = self._path(key, "get")
+        data = await self._run("get", key, _read_buffer, path, limit)
         if isinstance(data, int):
             self.stats.count("get")
             raise TooLarge(store=self.url, key=key, size=data, limit=limit or 0)
@@ -272,6 +285,25 @@ def _read_file(path: str, limit: int | None) -> bytes | int | None:
                 if size > limit:
                     return size
             return file.read()
+    except _MISSING:
+        return None
+
+
+def _read_buffer(path: str, limit: int | None) -> bytearray | int | None:
+    """``_read_file``, into a ``bytearray`` of the file's size."""
+    try:
+        with open(path, "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            if limit is not None and size > limit:
+                return size
+            buffer = bytearray(size)
+            view, filled = memoryview(buffer), 0
+            while filled < size:
+                got = file.readinto(view[filled:])
+                if not got:  # cut short: not a file a writer finished (it renames whole files)
+                    raise OSError(errno.EIO, f"{path} ended after {filled} of {size} bytes")
+                filled += got
+            return buffer
     except _MISSING:
         return None
 

@@ -277,6 +277,24 @@ def test_a_three_process_run_outlasts_a_store_outage(
     for node in results:
         for e in cluster.events(node):
             assert e["event"] != "Failed", e
+    # Training went on through the outage up to the overlap bound, and no further: a step
+    # waited only for the commit of a round the node had trained at least overlap_steps
+    # steps past (its merge's staleness), or one its snapshot missed (rebased).
+    overlap = ALGORITHM["overlap_steps"]
+    stalls = 0
+    for node in results:
+        events = cluster.events(node)
+        merged = {e["round"]: e for e in events if e["event"] == "Merged"}
+        missed = {e["missed"] for e in events if e["event"] == "Rebased"}
+        for e in events:
+            if e["event"] != "Stalled":
+                continue
+            stalls += 1
+            m = merged.get(e["round"])
+            assert m is not None or e["round"] in missed, (node, e)
+            if m is not None and m["since"] == "snapshot":
+                assert m["staleness"] >= overlap, (node, e, m)
+    assert stalls, "no node waited at the overlap bound: the outage went unnoticed"
     if mode == "hang":
         return  # a hung request waits out the client's timeout; how it retries is its own
     retried = {n: [e for e in cluster.events(n) if e["event"] == "Retried"] for n in results}
