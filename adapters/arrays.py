@@ -128,7 +128,7 @@ class ArrayBackend(ArrayKernels):
                 )
         return payload, self._evaluated(residual)
 
-    def decode(self, payload: Mapping[str, TensorBytes], schema: Schema) -> Tensors:
+    def decode(self, payload: Mapping[str, Tensorish], schema: Schema) -> Tensors:
         layout = formats.payload_layout(payload, schema)
         out: Tensors = {}
         with self._workspace():

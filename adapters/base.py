@@ -88,7 +88,7 @@ class Backend(Protocol):
         Raises ``NonFinite`` naming the tensors that hold NaN or Inf."""
         ...
 
-    def decode(self, payload: Mapping[str, TensorBytes], schema: Schema) -> Tensors:
+    def decode(self, payload: Mapping[str, Tensorish], schema: Schema) -> Tensors:
         """F32 deltas for every parameter of ``schema`` from a payload in any of the layouts
         (plain F32/F16/BF16, F8_E4M3 or F4 with scales). Raises ``SchemaMismatch`` naming the
         entries that are missing or of the wrong shape, ``NonFinite`` for NaN or Inf."""

@@ -35,7 +35,6 @@ from gradientmail.core import keys
 from gradientmail.core.codecs import (
     Compression,
     compress_parts,
-    decompress,
     decompress_views,
 )
 from gradientmail.core.effects import Created
@@ -436,10 +435,10 @@ class Exchange:
         """Create this node's snapshot of a round (``core.identity.ours`` judges whether the
         key then holds ours). ``tensors``, the payload's tensors before compression, are
         remembered with the bytes: a ``snapshot`` read that finds the very bytes published
-        returns them without verifying and parsing the bytes again. Without ``tensors`` (a
-        closer that holds its learner's delta) the bytes alone are remembered when they are
-        small (a quarter of the budget): comparing them costs less than hashing what is read
-        back, and holding them little."""
+        returns them without verifying and parsing the bytes again. Without ``tensors`` (an
+        unquantized snapshot) the bytes alone are remembered when they are small (a quarter of
+        the budget): comparing them costs less than hashing what is read back, and holding them
+        little."""
         key = keys.snapshot(snapshot.round, snapshot.node)
         parts = seal_parts(to_bytes(snapshot, self.keyring), payload, compression=compression)
         size = data_size(parts)
@@ -455,33 +454,34 @@ class Exchange:
         return created
 
     async def snapshot(
-        self, r: int, node: str, *, limit: int, parse: bool = True
-    ) -> tuple[Snapshot, dict[str, TensorBytes]] | None:
+        self, r: int, node: str, *, limit: int
+    ) -> tuple[Snapshot, dict[str, Tensorish]] | None:
         """A snapshot and its payload tensors; ``FormatError`` when corrupt or mismatched.
-        Without ``parse`` the payload is verified against the record's digest but not
-        parsed, and no tensors are returned (a closer that holds its own delta)."""
+        Uncompressed tensors are views of the object as read, owned by the caller where the
+        mailbox gave a buffer (``read_payload``)."""
         key = keys.snapshot(r, node)
-        blob = await self.get(key)
+        blob = await self.get_buffer(key)
         if blob is None:
             return None
         with self._written_lock:
             mine = self._written.get(key)
-        if (
-            mine is not None
-            and mine.record is not None
-            and (mine.tensors or not parse)
-            and blob == mine.blob
-        ):
-            # The very bytes this node published, which pass every check below.
-            return mine.record, dict(mine.tensors) if parse else {}
         sealed = unseal(blob)
-        record = read_record(sealed.record, Snapshot, key=key, verifier=self.keyring)
-        if payload_digest(sealed.payload) != record.digest:
-            raise FormatError("payload does not match the record's digest", key=key)
-        if not parse:
-            return record, {}
+        if mine is not None and mine.record is not None and blob == mine.blob:
+            # The very bytes this node published, which pass every check below.
+            if mine.tensors:
+                return mine.record, dict(mine.tensors)
+            record = mine.record
+        else:
+            record = read_record(sealed.record, Snapshot, key=key, verifier=self.keyring)
+            if payload_digest(sealed.payload) != record.digest:
+                raise FormatError("payload does not match the record's digest", key=key)
         try:
-            tensors = decompress(sealed.payload, sealed.compression, limit=limit)
+            tensors = decompress_views(
+                memoryview(sealed.payload),
+                sealed.compression,
+                limit=limit,
+                owned=isinstance(blob, bytearray),
+            )
         except FormatError as exc:
             raise FormatError(f"payload: {exc}", key=key) from None
         return record, tensors

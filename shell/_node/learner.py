@@ -14,7 +14,7 @@ from typing import Any
 from gradientmail._events import Callback, Published, Rejected
 from gradientmail._node.drive import Inbox, Loop
 from gradientmail._node.exchange import Exchange
-from gradientmail._node.handoff import Handoff, Handover, Job, OwnSnapshot, Ready
+from gradientmail._node.handoff import Handoff, Handover, Job, Ready
 from gradientmail._node.payloads import load_spending, read_fragment
 from gradientmail._node.release import release_memory
 from gradientmail.adapters.base import Backend, Tensors
@@ -104,7 +104,7 @@ class LearnerLoop(Loop[polling.PollState]):
         K = self._algorithm.fragments
         self._residual: list[Tensors | None] = [None] * K
         self._params: dict[int, tuple[Commit, Tensors]] = {}
-        self._sent: dict[int, tuple[Job, Snapshot, Tensors, int]] = {}
+        self._sent: dict[int, tuple[Job, int]] = {}
         self._handlers: dict[type, Callable[[Any], Awaitable[Result | None]]] = {
             Upload: self._upload,
             Watch: self._watch,
@@ -143,21 +143,18 @@ class LearnerLoop(Loop[polling.PollState]):
             steps=publish.steps,
             digest=payload_digest(data),
         )
-        # An unquantized delta goes to this node's closer as tensors (``_watch``): the
-        # exchange need not remember the payload's bytes as well.
+        # A quantized payload's tensors are remembered with its bytes: this node's closer
+        # compares the bytes it reads back instead of checking them again.
         remembered = payload if self._algorithm.quantization is not None else None
         created = await self._exchange.publish(snapshot, data, self._compression, remembered)
-        self._sent[publish.round] = (job, snapshot, delta, sum(len(part) for part in data))
-        del payload, data, remembered
+        self._sent[publish.round] = (job, sum(len(part) for part in data))
+        del delta, payload, data, remembered
         release_memory()  # the capture's encoded bytes are spent
         return Uploaded(round=publish.round, created=created)
 
     async def _watch(self, watch: Watch) -> None:
-        job, snapshot, delta, size = self._sent.pop(watch.round)
+        job, size = self._sent.pop(watch.round)
         if watch.ours:
-            if self._algorithm.quantization is None:  # the payload holds the delta's F32 bytes
-                own = OwnSnapshot(nonce=snapshot.nonce, digest=snapshot.digest, delta=delta)
-                self._handover.put_own(watch.round, own)
             publish = job.publish
             self._on_event(
                 Published(
