@@ -56,6 +56,7 @@ _MISSING = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
 _DIRECTORY_ATTEMPTS = 8
 
 _T = TypeVar("_T")
+_B = TypeVar("_B", bytes, bytearray)
 _Listing = list[ObjectInfo]  # spelled out here: inside the class, `list` is the method
 
 
@@ -106,18 +107,17 @@ class DirectoryMailbox:
             raise MailboxError(str(error), store=self.url, key="", operation="open") from error
 
     async def get(self, key: str, *, limit: int | None = None) -> bytes | None:
-        path = self._path(key, "get")
-        data = await self._run("get", key, _read_file, path, limit)
-        if isinstance(data, int):
-            self.stats.count("get")
-            raise TooLarge(store=self.url, key=key, size=data, limit=limit or 0)
-        self.stats.count("get", bytes_in=0 if data is None else len(data))
-        return data
+        return await self._get(key, limit, _read_file)
 
     async def get_buffer(self, key: str, *, limit: int | None = None) -> bytearray | None:
         """``get``, the object read into a ``bytearray`` the caller owns (``gives_buffers``)."""
+        return await self._get(key, limit, _read_buffer)
+
+    async def _get(
+        self, key: str, limit: int | None, read: Callable[[str, int | None], _B | int | None]
+    ) -> _B | None:
         path = self._path(key, "get")
-        data = await self._run("get", key, _read_buffer, path, limit)
+        data = await self._run("get", key, read, path, limit)
         if isinstance(data, int):
             self.stats.count("get")
             raise TooLarge(store=self.url, key=key, size=data, limit=limit or 0)
