@@ -32,7 +32,6 @@ from gradientmail.core.tensors import (
     Schema,
     SchemaMismatch,
     TensorBytes,
-    Tensorish,
     TensorView,
     scale_name,
 )
@@ -69,7 +68,7 @@ class ArrayBackend(ArrayKernels):
             return self.load(adapter.read(names))
         return self._capture(adapter, names)
 
-    def load(self, tensors: Mapping[str, Tensorish]) -> Tensors:
+    def load(self, tensors: Mapping[str, TensorBytes]) -> Tensors:
         loaded = {}
         for name, value in tensors.items():
             if value.dtype not in DTYPES:
@@ -128,7 +127,7 @@ class ArrayBackend(ArrayKernels):
                 )
         return payload, self._evaluated(residual)
 
-    def decode(self, payload: Mapping[str, Tensorish], schema: Schema) -> Tensors:
+    def decode(self, payload: Mapping[str, TensorBytes], schema: Schema) -> Tensors:
         layout = formats.payload_layout(payload, schema)
         out: Tensors = {}
         with self._workspace():
@@ -285,7 +284,7 @@ class ArrayBackend(ArrayKernels):
         of it, rounded to its dtype."""
 
     @abstractmethod
-    def _array(self, value: Tensorish) -> Array:
+    def _array(self, value: TensorBytes) -> Array:
         """An array of ``value``: its dtype for F32/F16/BF16, else its raw bytes (uint8)."""
 
     @abstractmethod

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
-from gradientmail.core.tensors import Quantized, Schema, TensorBytes, Tensorish, TensorView
+from gradientmail.core.tensors import Quantized, Schema, TensorBytes, TensorView
 
 __all__ = ["Adapter", "Backend", "Tensors"]
 
@@ -32,7 +32,7 @@ class Adapter(Protocol):
         """Contiguous host copies of the named parameters."""
         ...
 
-    def write(self, tensors: Mapping[str, Tensorish]) -> None:
+    def write(self, tensors: Mapping[str, TensorBytes]) -> None:
         """Overwrite the named parameters in place; optimizers keep their references."""
         ...
 
@@ -61,10 +61,8 @@ class Backend(Protocol):
         """Block until the copies ``capture`` started are complete (CUDA events); no-op else."""
         ...
 
-    def load(self, tensors: Mapping[str, Tensorish]) -> Tensors:
-        """Framework tensors of ``tensors``, keeping their dtype (F32, F16 or BF16). A view
-        of writable memory (``TensorView`` of a buffer its reader owns) may be taken over
-        without a copy: the tensor then shares it."""
+    def load(self, tensors: Mapping[str, TensorBytes]) -> Tensors:
+        """Framework tensors of ``tensors``, keeping their dtype (F32, F16 or BF16)."""
         ...
 
     def dump(self, tensors: Tensors) -> dict[str, TensorBytes]:
@@ -88,7 +86,7 @@ class Backend(Protocol):
         Raises ``NonFinite`` naming the tensors that hold NaN or Inf."""
         ...
 
-    def decode(self, payload: Mapping[str, Tensorish], schema: Schema) -> Tensors:
+    def decode(self, payload: Mapping[str, TensorBytes], schema: Schema) -> Tensors:
         """F32 deltas for every parameter of ``schema`` from a payload in any of the layouts
         (plain F32/F16/BF16, F8_E4M3 or F4 with scales). Raises ``SchemaMismatch`` naming the
         entries that are missing or of the wrong shape, ``NonFinite`` for NaN or Inf."""

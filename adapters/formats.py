@@ -34,7 +34,7 @@ from gradientmail.core.tensors import (
     PayloadDType,
     Schema,
     SchemaMismatch,
-    Tensorish,
+    TensorBytes,
     quantized_specs,
     scale_name,
 )
@@ -192,7 +192,7 @@ def decode_f4(
     return np.asarray(values.reshape(-1)[:numel], dtype=np.float32)
 
 
-def payload_layout(payload: Mapping[str, Tensorish], schema: Schema) -> dict[str, PayloadDType]:
+def payload_layout(payload: Mapping[str, TensorBytes], schema: Schema) -> dict[str, PayloadDType]:
     """The dtype each parameter of ``schema`` travels as in ``payload``.
 
     A parameter travels plain (F32, F16 or BF16, its shape), or quantized (``F8_E4M3`` or

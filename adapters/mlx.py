@@ -30,7 +30,6 @@ from gradientmail.core.tensors import (
     Schema,
     SchemaMismatch,
     TensorBytes,
-    Tensorish,
     validate,
 )
 
@@ -93,7 +92,7 @@ class MLXAdapter:
     def read(self, names: Sequence[str]) -> dict[str, TensorBytes]:
         return {name: _to_bytes(array) for name, array in self.tensors(names).items()}
 
-    def write(self, tensors: Mapping[str, Tensorish]) -> None:
+    def write(self, tensors: Mapping[str, TensorBytes]) -> None:
         validate(self._schema, tensors, tensors)
         self.update(_evaluated({name: _from_bytes(value) for name, value in tensors.items()}))
 
@@ -141,7 +140,7 @@ class MLXBackend(ArrayBackend):
     def _evaluated(self, tensors: Tensors) -> Tensors:
         return _evaluated(tensors)
 
-    def _array(self, value: Tensorish) -> Any:
+    def _array(self, value: TensorBytes) -> Any:
         return _from_bytes(value)
 
     def _plain_bytes(self, a: Any) -> TensorBytes:
@@ -277,7 +276,7 @@ def _host_bytes(a: Any) -> bytes:
     return np.asarray(a).tobytes()
 
 
-def _from_bytes(value: Tensorish) -> Any:
+def _from_bytes(value: TensorBytes) -> Any:
     """An array of ``value``: its dtype for F32/F16/BF16, else its raw bytes (uint8)."""
     dtype = _MLX[value.dtype]
     if dtype == mx.uint8:

@@ -34,8 +34,6 @@ from gradientmail.core.tensors import (
     Schema,
     SchemaMismatch,
     TensorBytes,
-    Tensorish,
-    TensorView,
     validate,
 )
 
@@ -128,7 +126,7 @@ class TorchAdapter:
     def read(self, names: Sequence[str]) -> dict[str, TensorBytes]:
         return {name: _to_bytes(t) for name, t in self.tensors(names).items()}
 
-    def write(self, tensors: Mapping[str, Tensorish]) -> None:
+    def write(self, tensors: Mapping[str, TensorBytes]) -> None:
         validate(self._schema, tensors, tensors)
         with torch.no_grad():
             for name, value in tensors.items():
@@ -204,7 +202,7 @@ class TorchBackend(ArrayBackend):
                 # copy_ rounds to the parameter's dtype in place: optimizers keep their tensor.
                 parameter.copy_(self._merged(parameter, c, since, alpha, name))
 
-    def _array(self, value: Tensorish) -> torch.Tensor:
+    def _array(self, value: TensorBytes) -> torch.Tensor:
         return _from_bytes(value).to(self.device)
 
     def _plain_bytes(self, t: torch.Tensor) -> TensorBytes:
@@ -433,20 +431,13 @@ def _host_bytes(t: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes()
 
 
-def _from_bytes(value: Tensorish) -> torch.Tensor:
-    """A CPU tensor of ``value``: its dtype for F32/F16/BF16, else its raw bytes (uint8). The
-    memory of an owned view (``TensorView.owned``) becomes the tensor's; anything else is
-    copied."""
+def _from_bytes(value: TensorBytes) -> torch.Tensor:
+    """A CPU tensor of ``value``: its dtype for F32/F16/BF16, else its raw bytes (uint8)."""
     dtype = _TORCH[value.dtype]
-    data = value.data
-    size = data.nbytes if isinstance(data, memoryview) else len(data)
-    shape = value.shape if dtype != torch.uint8 else (size,)
-    if not size:
+    shape = value.shape if dtype != torch.uint8 else (len(value.data),)
+    if not value.data:
         return torch.empty(shape, dtype=dtype)
-    if isinstance(value, TensorView) and value.owned:
-        raw = torch.frombuffer(data, dtype=torch.uint8)
-    else:
-        # frombuffer wants a writable buffer; the copy is the one the host tensor needs anyway.
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    # frombuffer wants a writable buffer; the copy is the one the host tensor needs anyway.
+    raw = torch.frombuffer(bytearray(value.data), dtype=torch.uint8)
     tensor: torch.Tensor = raw.view(dtype).reshape(shape)
     return tensor

@@ -60,7 +60,6 @@ from gradientmail.core.tensors import (
     pack,
     pack_parts,
     unpack,
-    unpack_views,
 )
 
 __all__ = [
@@ -70,7 +69,6 @@ __all__ = [
     "compress",
     "compress_parts",
     "decompress",
-    "decompress_views",
     "max_packed_size",
     "plane_count",
 ]
@@ -135,7 +133,8 @@ def decompress(
     extra when zstandard is not installed.
     """
     _check(compression)
-    _check_limit(limit)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+        raise ValueError(f"limit must be a non-negative number of bytes, got {limit!r}")
     if compression == "off":
         if len(data) > limit:
             raise FormatError(f"payload of {len(data)} bytes exceeds the limit of {limit} bytes")
@@ -220,26 +219,6 @@ def _zstd_compress(zstd: ModuleType, blob: bytes, bounds: list[int]) -> bytes:
             start = stop
     chunks += [stream.compress(view[start:]), stream.flush(zstd.COMPRESSOBJ_FLUSH_FINISH)]
     return b"".join(chunks)
-
-
-def decompress_views(
-    data: memoryview, compression: Compression, *, limit: int, owned: bool = False
-) -> dict[str, Tensorish]:
-    """``decompress``, checked the same way; an uncompressed payload's tensors are views of
-    ``data`` (``tensors.unpack_views``, ``owned`` as there), a compressed one's are
-    decompressed as before."""
-    _check(compression)
-    _check_limit(limit)
-    if compression == "off":
-        if len(data) > limit:
-            raise FormatError(f"payload of {len(data)} bytes exceeds the limit of {limit} bytes")
-        return dict(unpack_views(data, owned=owned))
-    return dict(decompress(data, compression, limit=limit))
-
-
-def _check_limit(limit: int) -> None:
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
-        raise ValueError(f"limit must be a non-negative number of bytes, got {limit!r}")
 
 
 def _zstd_decompress(zstd: ModuleType, data: bytes | memoryview, limit: int) -> bytes:

@@ -117,9 +117,7 @@ def seal_parts(
     return [header + record, *parts]
 
 
-def unseal(
-    blob: bytes | bytearray, *, max_record: int = MAX_RECORD_BYTES, key: str | None = None
-) -> Sealed:
+def unseal(blob: bytes, *, max_record: int = MAX_RECORD_BYTES, key: str | None = None) -> Sealed:
     """The parts of the envelope ``blob``, read as untrusted input.
 
     ``max_record`` bounds the record length in bytes; ``key`` only names the object in errors.

@@ -118,9 +118,6 @@ class TensorView:
     dtype: PayloadDType
     shape: tuple[int, ...] = attrs.field(converter=_shape)
     data: bytes | memoryview
-    owned: bool = False
-    """The memory is its reader's alone (a buffer it read and nobody else holds): a backend
-    may take it over as the tensor's own storage instead of copying it (``Backend.load``)."""
 
     def __attrs_post_init__(self) -> None:
         expected = nbytes(self.dtype, self.shape)
@@ -283,7 +280,7 @@ def payload_schema(schema: Schema, quantization: Quantized | None) -> Schema:
     )
 
 
-def validate(schema: Schema, tensors: Mapping[str, Tensorish], names: Iterable[str]) -> None:
+def validate(schema: Schema, tensors: Mapping[str, TensorBytes], names: Iterable[str]) -> None:
     """Raise ``SchemaMismatch`` unless every name is present with the schema's dtype and shape."""
 
     def matches(name: str) -> bool:
@@ -350,26 +347,6 @@ def unpack(blob: bytes | memoryview) -> dict[str, TensorBytes]:
     leave gaps or come out of order, when a dtype code is not a ``PayloadDType``, or when a
     shape does not match its byte count.
     """
-    tensors = _unpack(blob, lend=False)
-    return {name: t for name, t in tensors.items() if isinstance(t, TensorBytes)}
-
-
-def unpack_views(
-    blob: bytes | bytearray | memoryview, *, owned: bool = False
-) -> dict[str, TensorView]:
-    """``unpack``, checked the same way, with each tensor's data a view of ``blob`` rather
-    than a copy: the tensors share ``blob``'s memory and keep it alive. ``owned``: ``blob`` is
-    writable and the caller's alone, so a backend may load the tensors without copying
-    (``TensorView.owned``)."""
-    if owned and memoryview(blob).readonly:
-        raise ValueError("only a writable buffer can be owned")
-    tensors = _unpack(blob, lend=True, owned=owned)
-    return {name: t for name, t in tensors.items() if isinstance(t, TensorView)}
-
-
-def _unpack(
-    blob: bytes | bytearray | memoryview, *, lend: bool, owned: bool = False
-) -> dict[str, Tensorish]:
     if len(blob) < 8:
         raise FormatError(f"safetensors blob of {len(blob)} bytes is shorter than its 8-byte size")
     header_len = int.from_bytes(blob[:8], "little")
@@ -392,19 +369,14 @@ def _unpack(
     entries.sort(key=lambda item: (item[1][2], item[1][3]))
     data_len = len(blob) - base
     cursor = 0
-    tensors: dict[str, Tensorish] = {}
+    tensors: dict[str, TensorBytes] = {}
     for name, (dtype, shape, start, stop) in entries:
         if start != cursor:
             raise FormatError(f"tensor {name!r}: data starts at {start}, expected {cursor}")
         if stop > data_len:
             raise FormatError(f"tensor {name!r}: offsets outside the blob")
         cursor = stop
-        data = view[base + start : base + stop]
-        if lend:
-            _check_size(name, dtype, shape, data.nbytes)
-            tensors[name] = TensorView(dtype=dtype, shape=shape, data=data, owned=owned)
-        else:
-            tensors[name] = _tensor(name, dtype, shape, data.tobytes())
+        tensors[name] = _tensor(name, dtype, shape, view[base + start : base + stop].tobytes())
     if cursor != data_len:
         raise FormatError(f"safetensors blob has {data_len - cursor} trailing bytes")
     return dict(sorted(tensors.items()))
@@ -451,20 +423,14 @@ def _is_size(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**62
 
 
-def _check_size(name: str, dtype: PayloadDType, shape: tuple[int, ...], size: int) -> None:
+def _tensor(name: str, dtype: PayloadDType, shape: tuple[int, ...], data: bytes) -> TensorBytes:
     # The header counts F4 elements, as TensorBytes does (two a byte).
     expected_bits = ITEM_BITS[dtype] * math.prod(shape)
-    if expected_bits != 8 * size:
+    if expected_bits != 8 * len(data):
         raise FormatError(
             f"tensor {name!r}: {dtype} of shape {list(shape)} needs {expected_bits // 8} bytes, "
-            f"its offsets give {size}"
+            f"its offsets give {len(data)}"
         )
-    if dtype == "F4" and (not shape or shape[-1] % 2):
-        raise FormatError(f"tensor {name!r}: F4 tensor of shape {shape} needs an even last axis")
-
-
-def _tensor(name: str, dtype: PayloadDType, shape: tuple[int, ...], data: bytes) -> TensorBytes:
-    _check_size(name, dtype, shape, len(data))
     try:
         return TensorBytes(dtype=dtype, shape=shape, data=data)
     except ValueError as exc:  # TensorBytes' own validation of the header's values

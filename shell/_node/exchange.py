@@ -32,11 +32,7 @@ import attrs
 from gradientmail._clock import Clock
 from gradientmail._events import Callback, Rejected, Retried
 from gradientmail.core import keys
-from gradientmail.core.codecs import (
-    Compression,
-    compress_parts,
-    decompress_views,
-)
+from gradientmail.core.codecs import Compression, compress_parts, decompress
 from gradientmail.core.effects import Created
 from gradientmail.core.envelope import (
     HEADER_BYTES,
@@ -71,7 +67,6 @@ from gradientmail.mailboxes._protocol import (
     TooLarge,
     TransientMailboxError,
     data_size,
-    gives_buffers,
     joined,
     takes_parts,
 )
@@ -156,7 +151,6 @@ class Exchange:
             raise ValueError(f"written_cache must be >= 0 bytes, got {written_cache}")
         self.mailbox = mailbox
         self._parts = takes_parts(mailbox)
-        self._buffers = gives_buffers(mailbox)
         self.keyring = keyring
         self.clock = clock
         self.node = node
@@ -223,17 +217,6 @@ class Exchange:
         """The object at ``key`` (None if absent); ``limit`` as ``Mailbox.get``: a larger
         object raises ``TooLarge`` having cost one request and at most ``limit`` bytes."""
         return await self._retry("get", key, lambda: self.mailbox.get(key, limit=limit))
-
-    async def get_buffer(self, key: str, *, limit: int | None = None) -> bytes | bytearray | None:
-        """``get``, into a ``bytearray`` the caller owns where the mailbox gives one
-        (``gives_buffers``), else the mailbox's ``bytes``."""
-        if not self._buffers:
-            return await self.get(key, limit=limit)
-        mailbox: Any = self.mailbox
-        found: bytearray | None = await self._retry(
-            "get", key, lambda: mailbox.get_buffer(key, limit=limit)
-        )
-        return found
 
     async def put(self, key: str, data: Data, *, durable: bool = True) -> None:
         """Put ``data`` at ``key``; parts are joined for a mailbox that does not take them."""
@@ -435,10 +418,10 @@ class Exchange:
         """Create this node's snapshot of a round (``core.identity.ours`` judges whether the
         key then holds ours). ``tensors``, the payload's tensors before compression, are
         remembered with the bytes: a ``snapshot`` read that finds the very bytes published
-        returns them without verifying and parsing the bytes again. Without ``tensors`` (an
-        unquantized snapshot) the bytes alone are remembered when they are small (a quarter of
-        the budget): comparing them costs less than hashing what is read back, and holding them
-        little."""
+        returns them without verifying and parsing the bytes again. Without ``tensors`` (a
+        closer that holds its learner's delta) the bytes alone are remembered when they are
+        small (a quarter of the budget): comparing them costs less than hashing what is read
+        back, and holding them little."""
         key = keys.snapshot(snapshot.round, snapshot.node)
         parts = seal_parts(to_bytes(snapshot, self.keyring), payload, compression=compression)
         size = data_size(parts)
@@ -454,34 +437,33 @@ class Exchange:
         return created
 
     async def snapshot(
-        self, r: int, node: str, *, limit: int
-    ) -> tuple[Snapshot, dict[str, Tensorish]] | None:
+        self, r: int, node: str, *, limit: int, parse: bool = True
+    ) -> tuple[Snapshot, dict[str, TensorBytes]] | None:
         """A snapshot and its payload tensors; ``FormatError`` when corrupt or mismatched.
-        Uncompressed tensors are views of the object as read, owned by the caller where the
-        mailbox gave a buffer (``read_payload``)."""
+        Without ``parse`` the payload is verified against the record's digest but not
+        parsed, and no tensors are returned (a closer that holds its own delta)."""
         key = keys.snapshot(r, node)
-        blob = await self.get_buffer(key)
+        blob = await self.get(key)
         if blob is None:
             return None
         with self._written_lock:
             mine = self._written.get(key)
-        sealed = unseal(blob)
-        if mine is not None and mine.record is not None and blob == mine.blob:
+        if (
+            mine is not None
+            and mine.record is not None
+            and (mine.tensors or not parse)
+            and blob == mine.blob
+        ):
             # The very bytes this node published, which pass every check below.
-            if mine.tensors:
-                return mine.record, dict(mine.tensors)
-            record = mine.record
-        else:
-            record = read_record(sealed.record, Snapshot, key=key, verifier=self.keyring)
-            if payload_digest(sealed.payload) != record.digest:
-                raise FormatError("payload does not match the record's digest", key=key)
+            return mine.record, dict(mine.tensors) if parse else {}
+        sealed = unseal(blob)
+        record = read_record(sealed.record, Snapshot, key=key, verifier=self.keyring)
+        if payload_digest(sealed.payload) != record.digest:
+            raise FormatError("payload does not match the record's digest", key=key)
+        if not parse:
+            return record, {}
         try:
-            tensors = decompress_views(
-                memoryview(sealed.payload),
-                sealed.compression,
-                limit=limit,
-                owned=isinstance(blob, bytearray),
-            )
+            tensors = decompress(sealed.payload, sealed.compression, limit=limit)
         except FormatError as exc:
             raise FormatError(f"payload: {exc}", key=key) from None
         return record, tensors
@@ -518,17 +500,15 @@ class Exchange:
             self._remember(key, copied, ref=ref)
         return ref
 
-    async def read_payload(self, ref: PayloadRef, *, limit: int) -> dict[str, Tensorish] | None:
+    async def read_payload(self, ref: PayloadRef, *, limit: int) -> dict[str, TensorBytes] | None:
         """The tensors of ``ref``, verified against its digest; None when the object is gone
         (collected); ``FormatError`` when it is corrupt. A payload this exchange wrote and still
-        remembers, under the same key, digest and size, is returned without a request.
-        Uncompressed tensors are views of the object as read (``TensorView``), which the caller
-        owns: a backend loads them without a copy where the mailbox gave a writable buffer."""
+        remembers, under the same key, digest and size, is returned without a request."""
         remembered = self._recall_written(ref)
         if remembered is not None:
-            return dict(remembered)
+            return remembered
         try:
-            blob = await self.get_buffer(ref.key, limit=ref.size)
+            blob = await self.get(ref.key, limit=ref.size)
         except TooLarge as exc:
             raise FormatError(
                 f"payload is {exc.size} bytes, its record says {ref.size}; not downloaded",
@@ -544,11 +524,7 @@ class Exchange:
         if payload_digest(sealed.payload) != ref.digest:
             raise FormatError("payload does not match the record's digest", key=ref.key)
         try:
-            # A buffer the mailbox gave is this read's alone: its tensors may keep it.
-            owned = isinstance(blob, bytearray)
-            return decompress_views(
-                memoryview(sealed.payload), sealed.compression, limit=limit, owned=owned
-            )
+            return decompress(sealed.payload, sealed.compression, limit=limit)
         except FormatError as exc:
             raise FormatError(f"payload: {exc}", key=ref.key) from None
 

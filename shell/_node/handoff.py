@@ -15,7 +15,7 @@ from gradientmail.adapters.base import Tensors
 from gradientmail.core.effects import Publish
 from gradientmail.core.records import Commit
 
-__all__ = ["Handoff", "Handover", "Job", "Ready"]
+__all__ = ["Handoff", "Handover", "Job", "OwnSnapshot", "Ready"]
 
 WINDOW = 64
 """Rounds of handed-over parameters kept behind the newest (``syncer.COMMIT_WINDOW``)."""
@@ -93,16 +93,38 @@ class Handoff:
             raise failure
 
 
+@attrs.frozen(kw_only=True, eq=False)
+class OwnSnapshot:
+    """This node's snapshot of a round as its learner published it: the record's ``nonce``
+    and payload ``digest``, and the F32 ``delta`` that decoding the payload gives back (an
+    unquantized payload holds exactly its bytes)."""
+
+    nonce: str
+    digest: str
+    delta: Tensors
+
+
 class Handover:
-    """Tensors the syncer passes its learner, the very tensors reading the store would give:
-    the parameters of the commits its closer wrote (for its learner, once). (A node's own
-    snapshot is not handed over: its closer reads it from the store anyway, into a buffer its
-    tensors are loaded from without a copy, so holding the delta would only cost every node
-    the fragment's size from publish to commit; docs/decisions.md.)"""
+    """Tensors the learner loop and the syncer pass along, each the very tensors reading the
+    store would give: this node's own unquantized snapshots (for its closer) and the parameters
+    of the commits its closer wrote (for its learner, once)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._own: dict[int, OwnSnapshot] = {}
         self._params: dict[int, tuple[str, Tensors]] = {}
+
+    def put_own(self, r: int, own: OwnSnapshot) -> None:
+        with self._lock:
+            self._own[r] = own
+
+    def own(self, r: int) -> OwnSnapshot | None:
+        with self._lock:
+            return self._own.get(r)
+
+    def drop_own(self, r: int) -> None:
+        with self._lock:
+            self._own.pop(r, None)
 
     def put_params(self, commit: Commit, tensors: Tensors) -> None:
         with self._lock:

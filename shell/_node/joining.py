@@ -31,7 +31,7 @@ from gradientmail.core.effects import (
 )
 from gradientmail.core.records import Commit, Manifest
 from gradientmail.core.rules import RULES, Rules
-from gradientmail.core.tensors import Tensorish
+from gradientmail.core.tensors import TensorBytes
 
 __all__ = ["Joiner", "newest", "read_manifest", "resign_manifest"]
 
@@ -53,7 +53,7 @@ class Joiner(Executor):
         self._adapter = adapter
         self._compression = compression
         self._nonces = nonces
-        self.loaded: dict[int, dict[str, Tensorish]] = {}
+        self.loaded: dict[int, dict[str, TensorBytes]] = {}
         self._manifest: Manifest | None = None
         self._handlers: dict[type, Callable[[Any], Awaitable[Result | None]]] = {
             ReadManifest: self._read_manifest,

@@ -14,7 +14,7 @@ from typing import Any
 from gradientmail._events import Callback, Published, Rejected
 from gradientmail._node.drive import Inbox, Loop
 from gradientmail._node.exchange import Exchange
-from gradientmail._node.handoff import Handoff, Handover, Job, Ready
+from gradientmail._node.handoff import Handoff, Handover, Job, OwnSnapshot, Ready
 from gradientmail._node.payloads import load_spending, read_fragment
 from gradientmail._node.release import release_memory
 from gradientmail.adapters.base import Backend, Tensors
@@ -40,7 +40,7 @@ from gradientmail.core.effects import Rejected as Reject
 from gradientmail.core.envelope import payload_digest
 from gradientmail.core.errors import NonFinite, RejectedObject, SchemaMismatch
 from gradientmail.core.records import Commit, Manifest, Snapshot
-from gradientmail.core.tensors import Tensorish
+from gradientmail.core.tensors import TensorBytes
 
 __all__ = ["LearnerLoop", "read_commit", "read_params"]
 
@@ -59,7 +59,7 @@ async def read_commit(exchange: Exchange, r: int, *, verify: bool = True) -> Com
 
 async def read_params(
     exchange: Exchange, manifest: Manifest, k: int, commit: Commit | None
-) -> tuple[ParamsRead, dict[str, Tensorish] | None]:
+) -> tuple[ParamsRead, dict[str, TensorBytes] | None]:
     """Load and verify the parameters ``commit`` names (the initial ones when None)."""
     ref = commit.params if commit is not None else manifest.init[k]
     try:
@@ -104,7 +104,7 @@ class LearnerLoop(Loop[polling.PollState]):
         K = self._algorithm.fragments
         self._residual: list[Tensors | None] = [None] * K
         self._params: dict[int, tuple[Commit, Tensors]] = {}
-        self._sent: dict[int, tuple[Job, int]] = {}
+        self._sent: dict[int, tuple[Job, Snapshot, Tensors, int]] = {}
         self._handlers: dict[type, Callable[[Any], Awaitable[Result | None]]] = {
             Upload: self._upload,
             Watch: self._watch,
@@ -143,18 +143,21 @@ class LearnerLoop(Loop[polling.PollState]):
             steps=publish.steps,
             digest=payload_digest(data),
         )
-        # A quantized payload's tensors are remembered with its bytes: this node's closer
-        # compares the bytes it reads back instead of checking them again.
+        # An unquantized delta goes to this node's closer as tensors (``_watch``): the
+        # exchange need not remember the payload's bytes as well.
         remembered = payload if self._algorithm.quantization is not None else None
         created = await self._exchange.publish(snapshot, data, self._compression, remembered)
-        self._sent[publish.round] = (job, sum(len(part) for part in data))
-        del delta, payload, data, remembered
+        self._sent[publish.round] = (job, snapshot, delta, sum(len(part) for part in data))
+        del payload, data, remembered
         release_memory()  # the capture's encoded bytes are spent
         return Uploaded(round=publish.round, created=created)
 
     async def _watch(self, watch: Watch) -> None:
-        job, size = self._sent.pop(watch.round)
+        job, snapshot, delta, size = self._sent.pop(watch.round)
         if watch.ours:
+            if self._algorithm.quantization is None:  # the payload holds the delta's F32 bytes
+                own = OwnSnapshot(nonce=snapshot.nonce, digest=snapshot.digest, delta=delta)
+                self._handover.put_own(watch.round, own)
             publish = job.publish
             self._on_event(
                 Published(

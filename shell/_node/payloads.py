@@ -9,7 +9,7 @@ from gradientmail.adapters.base import Backend, Tensors
 from gradientmail.core.errors import FormatError
 from gradientmail.core.payloads import all_f32, outer_state_schema, payload_limit
 from gradientmail.core.records import Commit, Manifest, PayloadRef
-from gradientmail.core.tensors import Schema, Tensorish, TensorView, validate
+from gradientmail.core.tensors import Schema, TensorBytes, TensorView, validate
 
 __all__ = [
     "add_to_sum",
@@ -37,7 +37,7 @@ def add_to_sum(
     return backend.weighted_sum([(1.0, total), (weight, delta)])
 
 
-def load_spending(backend: Backend, tensors: dict[str, Tensorish]) -> Tensors:
+def load_spending(backend: Backend, tensors: dict[str, TensorBytes]) -> Tensors:
     """``backend.load(tensors)`` a tensor at a time, taking each tensor's bytes out of
     ``tensors`` as it is loaded: a fragment's bytes and its loaded tensors are never held whole
     side by side (``tensors`` is empty afterwards)."""
@@ -66,7 +66,7 @@ def outer_gradient(
 
 async def read_fragment(
     exchange: Exchange, ref: PayloadRef, schema: Schema
-) -> dict[str, Tensorish] | None:
+) -> dict[str, TensorBytes] | None:
     """A fragment's parameters from ``ref``, checked against ``schema``; None when gone.
     ``FormatError`` or ``SchemaMismatch`` when the payload is corrupt or holds other tensors."""
     tensors = await exchange.read_payload(ref, limit=payload_limit(schema))

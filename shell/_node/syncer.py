@@ -2,11 +2,11 @@
 
 It keeps each round's workspace while this node closes it: the snapshot payload read last, the
 F32 sum of the deltas added so far (one delta decoded at a time), the outer state the step starts
-from, and after the step the parameters it wrote. Every snapshot, its own included, is read
-from the store into a buffer of the read's own, which an unquantized delta's tensors take over
-without a copy. The outer state of the last commit it wrote of a fragment is kept in memory
-(within the exchange's budget for what the node wrote) for the fragment's next step: what
-reading the store would give. Every ``if`` here is about I/O and that cache.
+from, and after the step the parameters it wrote. A closer's own snapshot is
+taken from what its learner encoded when the stored bytes are the very ones it published, and
+the outer state of the last commit it wrote of a fragment is kept in memory (within the
+exchange's budget for what the node wrote) for the fragment's next step: both are what reading
+the store would give. Every ``if`` here is about I/O and those caches.
 """
 
 from __future__ import annotations
@@ -39,17 +39,17 @@ from gradientmail.core import keys, syncer
 from gradientmail.core.codecs import Compression
 from gradientmail.core.payloads import payload_limit
 from gradientmail.core.records import Commit
-from gradientmail.core.tensors import Tensorish
+from gradientmail.core.tensors import TensorBytes
 
 __all__ = ["SyncerLoop"]
 
 
 @attrs.define(eq=False)
 class _Workspace:
-    """One round's tensors while this node closes it: the snapshot read last (its payload),
-    the sum, the outer state the step starts from and the parameters it wrote."""
+    """One round's tensors while this node closes it: the snapshot read last (its payload,
+    or the delta its learner handed over when it is this node's own) and the sum."""
 
-    waiting: tuple[str, Mapping[str, Tensorish]] | None = None
+    waiting: tuple[str, Mapping[str, TensorBytes] | None, Tensors | None] | None = None
     sum: Tensors | None = None
     master: Tensors | None = None
     momentum: Tensors | None = None
@@ -190,32 +190,46 @@ class SyncerLoop(Loop[syncer.SyncerState]):
         work = self._work_of(r)
         work.waiting = None
         schema = self._manifest.fragment_schema(r % self._manifest.algorithm.fragments)
+        own = self._handover.own(r) if node == self._node else None
         try:
-            found = await self._exchange.snapshot(r, node, limit=payload_limit(schema))
+            # This node's own snapshot is verified but not parsed while its learner's delta
+            # is in hand: it is used when the record is the one published.
+            found = await self._exchange.snapshot(
+                r, node, limit=payload_limit(schema), parse=own is None
+            )
+            if found is not None and own is not None:
+                if (found[0].nonce, found[0].digest) == (own.nonce, own.digest):
+                    work.waiting = (node, None, own.delta)
+                    return fx.SnapshotRead(round=r, node=node, record=found[0])
+                found = await self._exchange.snapshot(r, node, limit=payload_limit(schema))
         except UNTRUSTED as exc:
             return fx.SnapshotRead(round=r, node=node, record=None, rejected=str(exc))
         if found is None:
             return fx.SnapshotRead(round=r, node=node, record=None)
         record, payload = found
-        work.waiting = (node, payload)
+        work.waiting = (node, payload, None)
         return fx.SnapshotRead(round=r, node=node, record=record)
 
     async def _accumulate(self, add: fx.Accumulate) -> fx.Result:
         r, node = add.round, add.node
         work = self._work_of(r)
         assert work.waiting is not None and work.waiting[0] == node
-        _, payload = work.waiting
+        _, payload, own = work.waiting
         work.waiting = None
         if add.start:
             work.sum = None
         schema = self._manifest.fragment_schema(r % self._manifest.algorithm.fragments)
         try:
-            # An unquantized payload read into a buffer of this read's own decodes to tensors
-            # that take the buffer over: no copy, and no one else holds them.
-            delta = self._backend.decode(payload, schema)
+            delta = own if payload is None else self._backend.decode(payload, schema)
         except UNTRUSTED as exc:
             return fx.Accumulated(round=r, node=node, rejected=str(exc))
         del payload
+        assert delta is not None
+        if own is not None:
+            # The learner's delta is the sum's from here on (the outer step computes into
+            # it); a second pass or another close reads the snapshot from the store.
+            self._handover.drop_own(r)
+        del own
         norm = self._backend.norm(delta) if add.norm else None
         work.sum = add_to_sum(self._backend, work.sum, delta, add.weight, owned=True)
         return fx.Accumulated(round=r, node=node, norm=norm)
@@ -384,6 +398,10 @@ class SyncerLoop(Loop[syncer.SyncerState]):
 
     async def _forget(self, forget: fx.Forget) -> None:
         self._exchange.forget_written(*forget.keys)
+        for key in forget.keys:
+            parsed = keys.parse(key)
+            if parsed.kind == "snapshot" and parsed.round is not None:
+                self._handover.drop_own(parsed.round)
 
     async def _drop(self, drop: fx.Drop) -> None:
         if self._work.pop(drop.round, None) is not None:

@@ -56,7 +56,6 @@ _MISSING = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
 _DIRECTORY_ATTEMPTS = 8
 
 _T = TypeVar("_T")
-_B = TypeVar("_B", bytes, bytearray)
 _Listing = list[ObjectInfo]  # spelled out here: inside the class, `list` is the method
 
 
@@ -81,13 +80,10 @@ class DirectoryMailbox:
             requests run on the caller's thread").
 
     ``put`` and ``create`` take ``Data`` in parts (``takes_parts``): each part is written to the
-    temporary file in turn, so a payload is never joined into one copy to be written; and
-    ``get_buffer`` reads an object into a ``bytearray`` the caller owns (``gives_buffers``), so
-    a payload's tensors can be loaded without copying them out of it.
+    temporary file in turn, so a payload is never joined into one copy to be written.
     """
 
     takes_parts = True
-    gives_buffers = True
 
     def __init__(
         self, root: str | os.PathLike[str], *, fsync: bool = True, offload: bool = False
@@ -107,17 +103,8 @@ class DirectoryMailbox:
             raise MailboxError(str(error), store=self.url, key="", operation="open") from error
 
     async def get(self, key: str, *, limit: int | None = None) -> bytes | None:
-        return await self._get(key, limit, _read_file)
-
-    async def get_buffer(self, key: str, *, limit: int | None = None) -> bytearray | None:
-        """``get``, the object read into a ``bytearray`` the caller owns (``gives_buffers``)."""
-        return await self._get(key, limit, _read_buffer)
-
-    async def _get(
-        self, key: str, limit: int | None, read: Callable[[str, int | None], _B | int | None]
-    ) -> _B | None:
         path = self._path(key, "get")
-        data = await self._run("get", key, read, path, limit)
+        data = await self._run("get", key, _read_file, path, limit)
         if isinstance(data, int):
             self.stats.count("get")
             raise TooLarge(store=self.url, key=key, size=data, limit=limit or 0)
@@ -285,25 +272,6 @@ def _read_file(path: str, limit: int | None) -> bytes | int | None:
                 if size > limit:
                     return size
             return file.read()
-    except _MISSING:
-        return None
-
-
-def _read_buffer(path: str, limit: int | None) -> bytearray | int | None:
-    """``_read_file``, into a ``bytearray`` of the file's size."""
-    try:
-        with open(path, "rb") as file:
-            size = os.fstat(file.fileno()).st_size
-            if limit is not None and size > limit:
-                return size
-            buffer = bytearray(size)
-            view, filled = memoryview(buffer), 0
-            while filled < size:
-                got = file.readinto(view[filled:])
-                if not got:  # cut short: not a file a writer finished (it renames whole files)
-                    raise OSError(errno.EIO, f"{path} ended after {filled} of {size} bytes")
-                filled += got
-            return buffer
     except _MISSING:
         return None
 

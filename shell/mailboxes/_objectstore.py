@@ -21,7 +21,7 @@ import random
 import re
 from collections.abc import Awaitable, Callable, Iterator
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import obstore
@@ -138,7 +138,6 @@ class ObjectStoreMailbox:
 
     ``put`` takes ``Data`` in parts (``takes_parts``) and streams a large one into a multipart
     upload a part's size at a time; ``create`` joins them (one conditional request).
-    ``get_buffer`` reads an object into a ``bytearray`` the caller owns (``gives_buffers``).
 
     Args:
         target: a URL as :func:`open_store` takes, or an obstore store object (``S3Store``,
@@ -150,7 +149,6 @@ class ObjectStoreMailbox:
     """
 
     takes_parts = True
-    gives_buffers = True
 
     def __init__(
         self,
@@ -223,36 +221,15 @@ class ObjectStoreMailbox:
             await asyncio.sleep(0.1 * 2**attempt * (0.5 + random.random()))
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    async def get_buffer(self, key: str, *, limit: int | None = None) -> bytearray | None:
-        """``get``, the object read into a ``bytearray`` the caller owns (``gives_buffers``):
-        a large one streams into it as ``get``'s does into its ``bytes``."""
-        validate_key(key, store=self.url, operation="get")
-        return await self._retry("get", key, lambda: self._get(key, limit, writable=True))
-
-    @overload
-    async def _get(
-        self, key: str, limit: int | None, *, writable: Literal[False] = False
-    ) -> bytes | None: ...
-
-    @overload
-    async def _get(
-        self, key: str, limit: int | None, *, writable: Literal[True]
-    ) -> bytearray | None: ...
-
-    async def _get(
-        self, key: str, limit: int | None, *, writable: bool = False
-    ) -> bytes | bytearray | None:
+    async def _get(self, key: str, limit: int | None) -> bytes | None:
         received = 0
         try:
             result = await self._open(key, limit)
             size = result.meta["size"]  # the whole object's, also for a ranged GET
             if limit is not None and size > limit:
                 raise TooLarge(store=self.url, key=key, size=size, limit=limit)
-            data: bytes | bytearray
             if size >= STREAM_ABOVE:
-                data = await asyncio.to_thread(_read_stream, result, size, writable)
-            elif writable:
-                data = bytearray(await result.bytes_async())
+                data = await asyncio.to_thread(_read_stream, result, size)
             else:
                 data = (await result.bytes_async()).to_bytes()
             received = len(data)
@@ -397,18 +374,8 @@ class _ChunkReader(io.RawIOBase):
         return n
 
 
-def _read_stream(result: GetResult, size: int, writable: bool = False) -> bytes | bytearray:
+def _read_stream(result: GetResult, size: int) -> bytes:
     chunks = iter(result.stream(min_chunk_size=_STREAM_CHUNK))
-    data: bytes | bytearray
-    if writable:
-        data, reader, filled = bytearray(size), _ChunkReader(chunks), 0
-        view = memoryview(data)
-        while filled < size and (got := reader.readinto(view[filled:])):
-            filled += got
-        del view
-        if filled != size:
-            raise OSError(f"the download ended after {filled} of {size} bytes")
-        return data
     data = io.BufferedReader(_ChunkReader(chunks), buffer_size=_STREAM_CHUNK).read(size)
     if len(data) != size:
         raise OSError(f"the download ended after {len(data)} of {size} bytes")

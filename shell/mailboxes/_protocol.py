@@ -33,7 +33,6 @@ __all__ = [
     "TooLarge",
     "TransientMailboxError",
     "data_size",
-    "gives_buffers",
     "joined",
     "takes_parts",
     "validate_key",
@@ -66,13 +65,6 @@ def data_size(data: Data) -> int:
 def joined(data: Data) -> bytes:
     """The object's bytes in one piece (a copy when ``data`` is parts)."""
     return data if isinstance(data, bytes) else b"".join(data)
-
-
-def gives_buffers(mailbox: object) -> bool:
-    """Whether ``mailbox`` has ``get_buffer(key, *, limit=None) -> bytearray | None``: ``get``,
-    the object read into a writable buffer the caller owns (a class attribute
-    ``gives_buffers``)."""
-    return getattr(mailbox, "gives_buffers", False) is True
 
 
 def takes_parts(mailbox: object) -> bool:

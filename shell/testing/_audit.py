@@ -33,7 +33,7 @@ from gradientmail.core.errors import FormatError
 from gradientmail.core.records import Commit, Manifest, Snapshot, read_record
 from gradientmail.core.robust import oversized, snapshot_bound
 from gradientmail.core.signing import Keyring
-from gradientmail.core.tensors import TensorBytes, Tensorish
+from gradientmail.core.tensors import TensorBytes
 from gradientmail.mailboxes._protocol import Mailbox
 from gradientmail.ops._admin import RunReader, read_leases
 
@@ -343,7 +343,7 @@ async def _recompute(
 
 
 def _max_difference(
-    backend: Backend, expected: dict[str, TensorBytes], actual: dict[str, Tensorish], name: str
+    backend: Backend, expected: dict[str, TensorBytes], actual: dict[str, TensorBytes], name: str
 ) -> float:
     diff = backend.dump(
         backend.delta(backend.load({name: expected[name]}), backend.load({name: actual[name]}))

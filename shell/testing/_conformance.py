@@ -26,7 +26,6 @@ from gradientmail.mailboxes._protocol import (
     ObjectInfo,
     RequestStats,
     TooLarge,
-    gives_buffers,
     takes_parts,
 )
 
@@ -369,36 +368,6 @@ def _check_parts(context: _Context) -> None:
     _run(context, body)
 
 
-def _check_buffers(context: _Context) -> None:
-    """A mailbox that gives buffers (``gives_buffers``) reads into a writable ``bytearray``
-    exactly what ``get`` reads, None for a missing key, and ``TooLarge`` above a limit."""
-    key = context.key("buffer")
-    size = context.large_size
-    generator = random.Random(size + 2)
-    data = b"".join(generator.randbytes(min(2**20, size - at)) for at in range(0, size, 2**20))
-
-    async def body(mailbox: Mailbox) -> None:
-        if not gives_buffers(mailbox):
-            return
-        buffers: Any = mailbox
-        assert await buffers.get_buffer(context.key("missing")) is None
-        for payload in (b"small", data):
-            await mailbox.put(key, payload)
-            got = await buffers.get_buffer(key)
-            assert isinstance(got, bytearray) and got == payload, f"{len(payload)} bytes"
-            got[0] ^= 1  # the caller's own copy: the object is unchanged
-            assert await mailbox.get(key) == payload
-        try:
-            await buffers.get_buffer(key, limit=size - 1)
-        except TooLarge as error:
-            assert error.size == size, error
-        else:
-            raise AssertionError("get_buffer read past its limit")
-        await mailbox.delete(key)
-
-    _run(context, body)
-
-
 def _check_concurrent_readers(context: _Context) -> None:
     """Readers racing a writer see the old object, the new one or none; never a mixture."""
     size = max(2**16, min(context.large_size, 2**21))
@@ -542,7 +511,6 @@ _CHECKS: tuple[Callable[[_Context], None], ...] = (
     _check_process_race,
     _check_large,
     _check_parts,
-    _check_buffers,
     _check_limit,
     _check_concurrent_readers,
     _check_bad_keys,

@@ -22,14 +22,12 @@ from gradientmail.core.tensors import (
     Schema,
     SchemaMismatch,
     TensorBytes,
-    TensorView,
     nbytes,
     pack,
     payload_schema,
     quantized_specs,
     scale_name,
     unpack,
-    unpack_views,
     validate,
 )
 
@@ -71,42 +69,6 @@ def f32(start: int, stop: int, shape: Sequence[object] | None = None) -> dict[st
 @given(tensor_maps)
 def test_pack_unpack_round_trip(mapping: dict[str, TensorBytes]) -> None:
     assert unpack(pack(mapping)) == mapping
-
-
-def _as_bytes(views: dict[str, TensorView]) -> dict[str, TensorBytes]:
-    return {
-        n: TensorBytes(dtype=v.dtype, shape=v.shape, data=bytes(v.data)) for n, v in views.items()
-    }
-
-
-@given(tensor_maps, st.data())
-def test_views_read_what_unpack_reads_and_reject_what_it_rejects(
-    mapping: dict[str, TensorBytes], data: st.DataObject
-) -> None:
-    for blob in (pack(mapping), mutate(pack(mapping), data)):
-        try:
-            expected: dict[str, TensorBytes] | Exception = unpack(blob)
-        except ValueError as exc:
-            expected = exc
-        try:
-            got: dict[str, TensorBytes] | Exception = _as_bytes(unpack_views(blob))
-        except ValueError as exc:
-            got = exc
-        if isinstance(expected, Exception):
-            assert isinstance(got, Exception) and str(got) == str(expected)
-        else:
-            assert got == expected
-
-
-def test_owned_views_share_the_buffer_they_were_read_from() -> None:
-    blob = bytearray(pack({"w": TensorBytes(dtype="F32", shape=(2,), data=bytes(8))}))
-    views = unpack_views(blob, owned=True)
-    assert views["w"].owned and not views["w"].data.readonly
-    views["w"].data[0] = 7  # the same memory, not a copy
-    assert blob[len(blob) - 8] == 7
-    assert not unpack_views(bytes(blob))["w"].owned
-    with pytest.raises(ValueError, match="writable"):
-        unpack_views(bytes(blob), owned=True)
 
 
 # The safetensors package's names of the dtypes (its TensorSpec API).

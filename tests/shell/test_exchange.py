@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import Mapping
 from pathlib import Path
 
 import attrs
@@ -20,7 +19,7 @@ from gradientmail.core.codecs import compress
 from gradientmail.core.envelope import payload_digest
 from gradientmail.core.errors import FormatError
 from gradientmail.core.records import Snapshot
-from gradientmail.core.tensors import TensorBytes, Tensorish
+from gradientmail.core.tensors import TensorBytes
 from gradientmail.mailboxes._memory import MemoryMailbox
 
 LIMIT = 2**20
@@ -32,10 +31,6 @@ def tensors(seed: float, n: int = 64) -> dict[str, TensorBytes]:
         "b.weight": TensorBytes(dtype="F32", shape=(n,), data=data),
         "a.bias": TensorBytes(dtype="F32", shape=(2,), data=struct.pack("<2f", seed, -seed)),
     }
-
-
-def contents(found: Mapping[str, Tensorish]) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
-    return {n: (t.dtype, t.shape, bytes(t.data)) for n, t in found.items()}
 
 
 def gets(mailbox: MemoryMailbox) -> int:
@@ -59,10 +54,8 @@ def test_a_payload_read_back_by_its_writer_needs_no_request() -> None:
         theirs = await reader.read_payload(ref, limit=LIMIT)
         assert gets(writer_box) == 0, "the writer read its own payload from memory"
         assert gets(reader_box) == 1, "another node's exchange reads the store"
-        assert mine is not None and theirs is not None
-        # Read from the store, the tensors are views of what was read; the same bytes.
-        assert contents(mine) == contents(theirs) == contents(dict(sorted(tensors(1.0).items())))
-        assert list(mine) == list(theirs) == ["a.bias", "b.weight"], "sorted by name"
+        assert mine == theirs == dict(sorted(tensors(1.0).items()))
+        assert list(mine) == ["a.bias", "b.weight"], "sorted by name, as a read from the store"
 
     asyncio.run(main())
 
@@ -109,8 +102,9 @@ def test_the_memory_is_bounded_oldest_payload_first() -> None:
             for r in (0, 4, 8)
         ]
         for r, ref in zip((0, 4, 8), refs, strict=True):
-            found = await exchange.read_payload(ref, limit=LIMIT)
-            assert found is not None and contents(found) == contents(tensors(float(r)))
+            assert await exchange.read_payload(ref, limit=LIMIT) == dict(
+                sorted(tensors(float(r)).items())
+            )
         assert gets(mailbox) == 1, "only the oldest of three was forgotten and read again"
 
     asyncio.run(main())
@@ -122,8 +116,7 @@ def test_no_memory_with_a_zero_budget_and_a_negative_one_is_refused() -> None:
 
     async def main() -> None:
         ref = await exchange.write_payload(keys.params(0, "34" * 8), tensors(5.0), "zstd")
-        found = await exchange.read_payload(ref, limit=LIMIT)
-        assert found is not None and contents(found) == contents(tensors(5.0))
+        assert await exchange.read_payload(ref, limit=LIMIT) == dict(sorted(tensors(5.0).items()))
         assert gets(mailbox) == 1
 
     asyncio.run(main())
@@ -141,8 +134,7 @@ def test_forgotten_payloads_are_read_from_the_store() -> None:
         assert held == sum(len(t.data) for t in tensors(6.0).values())
         exchange.forget_written(ref.key, keys.state(2, "56" * 8))  # one never written: no-op
         assert exchange.remembered_bytes == 0
-        found = await exchange.read_payload(ref, limit=LIMIT)
-        assert found is not None and contents(found) == contents(tensors(6.0))
+        assert await exchange.read_payload(ref, limit=LIMIT) == dict(sorted(tensors(6.0).items()))
         assert gets(mailbox) == 1
 
     asyncio.run(main())
@@ -263,36 +255,3 @@ def test_an_oversized_object_at_a_record_key_costs_one_bounded_read(
     after = mailbox.stats.snapshot()
     assert after["get"] - before["get"] == 5, "one request a read"
     assert after["bytes_in"] - before["bytes_in"] == 0, "nothing of the 64 MiB downloaded"
-
-
-def test_a_payload_read_from_a_directory_is_loaded_without_a_copy(tmp_path: Path) -> None:
-    """The directory gives the read a buffer of its own; the payload's tensors are views of it
-    that torch takes over: the loaded tensors live inside the buffer read, in order."""
-    import torch
-
-    from gradientmail.adapters.torch import TorchBackend
-    from gradientmail.core.tensors import TensorView
-    from gradientmail.mailboxes import DirectoryMailbox
-
-    backend = TorchBackend()
-    written = {"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3, 5)}
-    for mailbox, owned in ((DirectoryMailbox(tmp_path), True), (MemoryMailbox(), False)):
-        exchange = Exchange(mailbox, MonotonicClock(), node="n1")
-
-        async def roundtrip(
-            exchange: Exchange = exchange, owned: bool = owned
-        ) -> dict[str, torch.Tensor]:
-            key = keys.params(3, "0123456789abcdef")
-            ref = await exchange.write_payload(key, backend.lend(written), "off", remember=False)
-            found = await exchange.read_payload(ref, limit=ref.size)
-            assert found is not None
-            assert all(isinstance(t, TensorView) and t.owned is owned for t in found.values())
-            return backend.load(found)
-
-        loaded = asyncio.run(roundtrip())
-        assert all(torch.equal(loaded[n], written[n]) for n in written)
-        # "a" (4000 bytes) then "b", one after the other in one buffer when taken over.
-        gap = loaded["b"].data_ptr() - loaded["a"].data_ptr()
-        assert (gap == 4000) is owned, gap
-        loaded["a"].add_(1)  # writable, and the caller's alone
-        assert torch.equal(loaded["a"], written["a"] + 1)
