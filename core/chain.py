@@ -130,7 +130,9 @@ def _end(walk: Walk, reports: list[Effect]) -> tuple[Walk, list[Effect]]:
 def _back_read(walk: Walk, result: CommitRead) -> tuple[Walk, list[Effect]]:
     if result.commit is not None and result.rejected is None:
         return attrs.evolve(walk, phase="done", newest=result.commit), []
-    reports: list[Effect] = [_reject(result.round, result.rejected or "vanished")]
+    # None: no key of the round holds a commit that verifies; the exchange reported each object
+    # it passed there (``core.slots``), so only a rejection of the read itself is reported here.
+    reports: list[Effect] = [_reject(result.round, result.rejected)] if result.rejected else []
     back = walk.back - 1
     if back < 0:
         return attrs.evolve(walk, phase="done", newest=walk.start), reports

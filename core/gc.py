@@ -98,6 +98,7 @@ def sweep(
     left alone."""
     K = algorithm.fragments
     doomed: list[tuple[str, str]] = []
+    committed_at = _committed_at(objects)
     for key in sorted(objects):
         try:
             parsed = keys.parse(key)
@@ -111,7 +112,7 @@ def sweep(
             continue
         old = collectable(algorithm, newest[r % K], keep=keep)
         if old is not None and r <= old:
-            since = objects.get(keys.commit(r + keep * K))
+            since = committed_at.get(r + keep * K)
             if now is None or since is None or due(since, now, horizon):
                 doomed.append((key, f"round {r} is {keep} commits behind its fragment's newest"))
             continue
@@ -120,3 +121,25 @@ def sweep(
         if parsed.kind in ("params", "state") and not named:
             doomed.append((key, f"a payload round {r}'s commit does not name"))
     return doomed
+
+
+def _committed_at(objects: Mapping[str, float | None]) -> dict[int, float | None]:
+    """When each round's commit keys were last written (None where the store gives no time):
+    the newest of them, which is no earlier than the commit's own (``core.slots``: objects at
+    earlier keys of the round were there before it), so the horizon never runs early."""
+    times: dict[int, list[float | None]] = {}
+    for key, modified in objects.items():
+        if "/commit" not in key:
+            continue
+        try:
+            parsed = keys.parse(key)
+        except FormatError:
+            continue
+        if parsed.kind == "commit" and parsed.round is not None:
+            times.setdefault(parsed.round, []).append(modified)
+    return {r: _newest(ts) for r, ts in times.items()}
+
+
+def _newest(times: list[float | None]) -> float | None:
+    known = [t for t in times if t is not None]
+    return max(known) if len(known) == len(times) else None

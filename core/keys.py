@@ -15,6 +15,8 @@ order. Node ids are ``[a-z0-9-]{1,64}``; nonces are 16 lowercase hex digits.
     rounds/<round:020>/params-<nonce>         the fragment's parameters after the round
     rounds/<round:020>/state-<nonce>          F32 master parameters and outer momentum
     rounds/<round:020>/commit                 create-only round record, written last
+    rounds/<round:020>/commit-<slot:04>       the same, when every earlier commit key of the round
+                                              holds an object that does not verify (core.slots)
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ NONCE_PATTERN = re.compile(r"[0-9a-f]{16}")
 MAX_ROUND = 10**20 - 1
 MAX_ATTEMPT = 9999
 MAX_FRAGMENT = 9999
+MAX_SLOT = 9999
 
 Kind = Literal[
     "manifest", "init", "lease", "head", "snapshot", "claim", "params", "state", "commit"
@@ -108,8 +111,12 @@ def state(r: int, nonce: str) -> str:
     return f"{round_prefix(r)}state-{check_nonce(nonce)}"
 
 
-def commit(r: int) -> str:
-    return round_prefix(r) + "commit"
+def commit(r: int, slot: int = 0) -> str:
+    """Round ``r``'s commit key number ``slot``: ``commit`` for the first, ``commit-0001`` on
+    (``core.slots``: the round's commit is the first of them that verifies)."""
+    if not isinstance(slot, int) or not 0 <= slot <= MAX_SLOT:
+        raise ValueError(f"commit slot {slot!r} outside 0..{MAX_SLOT}")
+    return round_prefix(r) + ("commit" if slot == 0 else f"commit-{slot:04d}")
 
 
 @attrs.frozen(kw_only=True)
@@ -122,6 +129,7 @@ class ParsedKey:
     attempt: int | None = None
     fragment: int | None = None
     nonce: str | None = None
+    slot: int | None = None
 
 
 _PATTERNS: tuple[tuple[Kind, re.Pattern[str]], ...] = (
@@ -133,7 +141,7 @@ _PATTERNS: tuple[tuple[Kind, re.Pattern[str]], ...] = (
     ("claim", re.compile(r"rounds/(?P<round>[0-9]{20})/claims/(?P<attempt>[0-9]{4})")),
     ("params", re.compile(r"rounds/(?P<round>[0-9]{20})/params-(?P<nonce>[0-9a-f]{16})")),
     ("state", re.compile(r"rounds/(?P<round>[0-9]{20})/state-(?P<nonce>[0-9a-f]{16})")),
-    ("commit", re.compile(r"rounds/(?P<round>[0-9]{20})/commit")),
+    ("commit", re.compile(r"rounds/(?P<round>[0-9]{20})/commit(?:-(?P<slot>(?!0000)[0-9]{4}))?")),
 )
 
 
@@ -150,5 +158,6 @@ def parse(key: str) -> ParsedKey:
                 attempt=int(groups["attempt"]) if "attempt" in groups else None,
                 fragment=int(groups["fragment"]) if "fragment" in groups else None,
                 nonce=groups.get("nonce"),
+                slot=(int(groups["slot"] or 0)) if kind == "commit" else None,
             )
     raise FormatError("not a key of a gradientmail run", key=key)

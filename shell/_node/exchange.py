@@ -31,7 +31,7 @@ import attrs
 
 from gradientmail._clock import Clock
 from gradientmail._events import Callback, Rejected, Retried
-from gradientmail.core import keys
+from gradientmail.core import identity, keys, slots
 from gradientmail.core.codecs import Compression, compress_parts, decompress
 from gradientmail.core.effects import Created
 from gradientmail.core.envelope import (
@@ -167,6 +167,9 @@ class Exchange:
         # Reasons already reported, so that an object re-read every poll (a forged commit
         # squatting its key) is reported once, not once a poll.
         self._reported: set[tuple[str, str]] = set()
+        # Per round, how many leading commit keys hold objects that do not verify (core.slots):
+        # they never change, so they are read once.
+        self._passed: dict[int, int] = {}
         # Payloads and snapshots written last, oldest first, shared by a node's two loops (two
         # threads).
         self._written: OrderedDict[str, _Remembered] = OrderedDict()
@@ -336,17 +339,69 @@ class Exchange:
         await self.put(keys.MANIFEST, self._seal(manifest))
 
     async def commit(self, r: int, *, verify: bool = True) -> Commit | None:
-        """Round ``r``'s commit record; ``FormatError`` when corrupt, unsigned or badly signed
-        in a signed run, or naming another round (a genuine record replayed under this key)."""
-        key = keys.commit(r)
+        """Round ``r``'s commit: the record at the first of the round's commit keys that
+        verifies (``core.slots``), None when the walk meets a missing key first (not committed
+        yet). A key holding an object that does not verify (corrupt, unsigned or badly signed in
+        a signed run, naming another round) is reported and passed, and not read again;
+        ``FormatError`` only when every key is passed. ``verify=False`` passes only objects
+        that are no commit record at all (garbage, another round's record)."""
+        slot: int | None = self._passed.get(r, 0) if verify else 0
+        while slot is not None:
+            found = await self._judged_commit(r, slot, verify=verify)
+            if isinstance(found, Commit) or found is None:
+                return found
+            slot = slots.next_slot(slot, "refused")
+        raise FormatError(
+            "every commit key of the round holds an object that does not verify",
+            key=keys.commit(r, keys.MAX_SLOT),
+        )
+
+    async def commit_at(self, r: int, slot: int, *, verify: bool = True) -> Commit | None:
+        """The record at round ``r``'s commit key ``slot`` (None when absent); ``FormatError``
+        when it is not a commit of round ``r`` that verifies."""
+        key = keys.commit(r, slot)
         commit = await self._record(key, Commit, verify=verify)
         if commit is not None and commit.round != r:
             raise FormatError(f"commit record names round {commit.round}", key=key)
         return commit
 
+    async def _judged_commit(
+        self, r: int, slot: int, *, verify: bool
+    ) -> Commit | FormatError | None:
+        """What commit key ``slot`` of round ``r`` holds: its commit, None, or why it is passed.
+        An object is passed only when a second read fails too (a read damaged in transit must
+        not make a node pass a genuine commit); a passed key is reported and remembered."""
+        try:
+            return await self.commit_at(r, slot, verify=verify)
+        except FormatError:
+            pass
+        try:
+            return await self.commit_at(r, slot, verify=verify)
+        except FormatError as exc:
+            self.reject(keys.commit(r, slot), str(exc))
+            if verify:
+                self._passed[r] = max(self._passed.get(r, 0), slot + 1)
+            return exc
+
     async def create_commit(self, commit: Commit) -> Created:
-        """Create the round's commit record (create-only: a round commits once)."""
-        return await self.create_record(keys.commit(commit.round), self._seal(commit))
+        """Create the round's commit record at the first of its commit keys not known to hold
+        an object that does not verify (``core.slots``; create-only: a round commits once).
+        When the key is taken by a record that is ours (an ambiguous create) or that verifies,
+        that is the outcome; by anything else, the key is passed and the next one tried."""
+        r = commit.round
+        data = self._seal(commit)
+        slot: int | None = self._passed.get(r, 0)
+        while slot is not None:
+            created = await self.create_record(keys.commit(r, slot), data)
+            if created.outcome == "created" or identity.ours(created, commit.nonce):
+                return created
+            if not isinstance(await self._judged_commit(r, slot, verify=True), FormatError):
+                return created
+            slot = slots.next_slot(slot, "refused")
+        raise FormatError(
+            "every commit key of the round holds an object that does not verify",
+            key=keys.commit(r, keys.MAX_SLOT),
+        )
 
     async def claims(self, r: int) -> list[Claim]:
         """The valid claims of round ``r``; corrupt, oversized, forged or misplaced ones are

@@ -9,9 +9,10 @@ parameters derive from exactly the snapshots the record lists.
 Objects no node would use (garbage, oversized objects, records replayed under another key and,
 in a signed run, records that do not verify) are reported in ``AuditReport.rejected``, never
 counted as violations: the nodes ignore them too. A signed run is audited with its ``keyring``;
-in it a forged or unreadable commit record is such an object (it squats its round's key, which
-docs/security.md lists as a known limit), while in an unsigned run, where anyone can write a
-valid record, an unreadable commit record is a violation.
+in it a forged or unreadable object at a commit key is such an object (it squats one of its
+round's commit keys, which the nodes pass: ``core.slots``), while in an unsigned run, where
+anyone can write a valid record, an unreadable commit record is a violation. A round with two
+commits that verify is a violation, as is a commit after a missing commit key.
 """
 
 from __future__ import annotations
@@ -177,18 +178,35 @@ async def _read_commits(
     or a genuine record replayed there)."""
     commits: dict[int, Commit] = {}
     for r in sorted(by_round):
-        if keys.commit(r) not in by_round[r]:
+        slots = sorted(
+            parsed.slot
+            for parsed in map(keys.parse, by_round[r])
+            if parsed.kind == "commit" and parsed.slot is not None
+        )
+        verified: dict[int, Commit] = {}
+        for slot in slots:
+            try:
+                commit = await exchange.commit_at(r, slot)
+            except FormatError as exc:
+                if exchange.keyring is None:
+                    violations.append(str(exc))
+                else:
+                    exchange.reject(keys.commit(r, slot), str(exc))
+                continue
+            if commit is not None:
+                verified[slot] = commit
+        if not verified:
             continue
-        try:
-            commit = await exchange.commit(r)
-        except FormatError as exc:
-            if exchange.keyring is None:
-                violations.append(str(exc))
-            else:
-                exchange.reject(keys.commit(r), str(exc))
-            continue
-        if commit is not None:
-            commits[r] = commit
+        first = min(verified)
+        if len(verified) > 1:  # core.slots: a round commits once, at its first verified key
+            found = ", ".join(keys.commit(r, slot) for slot in sorted(verified))
+            violations.append(f"round {r} committed {len(verified)} times: {found}")
+        if slots[:first] != list(range(first)):
+            violations.append(
+                f"round {r}: its commit is at {keys.commit(r, first)} but an earlier commit key "
+                "is missing (nodes walking the keys stop there)"
+            )
+        commits[r] = verified[first]
     return commits
 
 

@@ -33,7 +33,7 @@ def build(parsed: ParsedKey) -> str:
         "claim": lambda p: keys.claim(_int(p.round), _int(p.attempt)),
         "params": lambda p: keys.params(_int(p.round), _str(p.nonce)),
         "state": lambda p: keys.state(_int(p.round), _str(p.nonce)),
-        "commit": lambda p: keys.commit(_int(p.round)),
+        "commit": lambda p: keys.commit(_int(p.round), _int(p.slot)),
     }
     return builders[parsed.kind](parsed)
 
@@ -58,6 +58,7 @@ def any_key(draw: st.DrawFn) -> tuple[str, ParsedKey]:
     )
     r, node, nonce = draw(rounds), draw(nodes), draw(nonces)
     fragment, attempt = draw(fragment_ids), draw(attempts)
+    slot = draw(st.integers(0, keys.MAX_SLOT))
     expected = {
         "manifest": (keys.MANIFEST, ParsedKey(kind="manifest")),
         "init": (
@@ -70,7 +71,7 @@ def any_key(draw: st.DrawFn) -> tuple[str, ParsedKey]:
         "claim": (keys.claim(r, attempt), ParsedKey(kind="claim", round=r, attempt=attempt)),
         "params": (keys.params(r, nonce), ParsedKey(kind="params", round=r, nonce=nonce)),
         "state": (keys.state(r, nonce), ParsedKey(kind="state", round=r, nonce=nonce)),
-        "commit": (keys.commit(r), ParsedKey(kind="commit", round=r)),
+        "commit": (keys.commit(r, slot), ParsedKey(kind="commit", round=r, slot=slot)),
     }
     return expected[kind]
 
@@ -84,6 +85,8 @@ def test_every_kind_parses_to_its_fields_and_builds_back(case: tuple[str, Parsed
 
 def test_layout_matches_the_documented_shapes() -> None:
     assert keys.commit(7) == "rounds/00000000000000000007/commit"
+    assert keys.commit(7, 0) == keys.commit(7)
+    assert keys.commit(7, 12) == "rounds/00000000000000000007/commit-0012"
     assert keys.snapshot(12, "node-a") == "rounds/00000000000000000012/snapshots/node-a"
     assert keys.claim(3, 2) == "rounds/00000000000000000003/claims/0002"
     assert keys.params(1, NONCE) == f"rounds/00000000000000000001/params-{NONCE}"
@@ -265,6 +268,19 @@ def test_rounds_outside_the_padded_range_raise_value_error(r: int) -> None:
 def test_attempts_outside_four_digits_raise_value_error(attempt: int) -> None:
     with pytest.raises(ValueError, match=f"attempt {attempt} outside"):
         keys.claim(0, attempt)
+
+
+@pytest.mark.parametrize("slot", [-1, keys.MAX_SLOT + 1])
+def test_commit_slots_outside_four_digits_raise_value_error(slot: int) -> None:
+    with pytest.raises(ValueError, match=f"commit slot {slot} outside"):
+        keys.commit(0, slot)
+
+
+def test_the_first_commit_key_has_one_spelling() -> None:
+    """Slot 0 is ``commit``: ``commit-0000`` would be a second key for the same slot."""
+    with pytest.raises(FormatError):
+        keys.parse(keys.round_prefix(3) + "commit-0000")
+    assert keys.parse(keys.commit(3, 1)) == ParsedKey(kind="commit", round=3, slot=1)
 
 
 @pytest.mark.parametrize("fragment", [-1, keys.MAX_FRAGMENT + 1])

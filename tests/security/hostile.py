@@ -5,10 +5,11 @@ that round's keys: garbage, a forged snapshot (valid format, signed with a wrong
 huge weight and a huge delta), a replay of an honest node's genuine snapshot of the fragment's
 previous round, an object far larger than any snapshot, a forged claim of attempt 0, a genuine
 claim of an earlier round replayed under attempt 1 and under a foreign key, and attempts to
-overwrite honest snapshots (create-only, so they fail); and under ``leases/``, a
+overwrite honest snapshots (create-only, so they fail); it squats the round's first two commit
+keys (a forged commit, then garbage: ``core.slots`` passes them); and under ``leases/``, a
 forged lease, a garbage lease and an oversized one. Writes that would change what honest nodes
-can do (deleting or overwriting their objects, squatting their snapshot or commit keys) are the
-documented limits of docs/security.md and are not made here.
+can do (deleting or overwriting their objects, squatting their snapshot keys) are the documented
+limits of docs/security.md and are not made here.
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ import re
 from gradientmail.core import keys
 from gradientmail.core.codecs import compress
 from gradientmail.core.envelope import payload_digest, seal
-from gradientmail.core.records import Claim, Lease, Snapshot, to_bytes
+from gradientmail.core.records import (
+    Claim,
+    Commit,
+    Included,
+    Lease,
+    PayloadRef,
+    Snapshot,
+    to_bytes,
+)
 from gradientmail.core.robust import RECORD_BOUND
 from gradientmail.core.signing import Keyring
 from gradientmail.core.tensors import TensorBytes
@@ -104,6 +113,11 @@ class HostileMailbox:
         await self._plant(keys.lease("mallory"), b"\xff\xfe not a lease", put=True)
         await self._plant(keys.lease("oscar"), b"\x02" * (RECORD_BOUND + 1), put=True)
         await self._plant(f"{keys.round_prefix(r)}README", b"foreign object")
+        # The round's commit keys, squatted before any honest closer gets there.
+        await self._plant(
+            keys.commit(r, 0), seal(to_bytes(forged_commit(r, self.fragments), WRONG))
+        )
+        await self._plant(keys.commit(r, 1), b"\x00garbage" * 8)
 
     def _forged_snapshot(self, r: int) -> bytes:
         big = TensorBytes(dtype="F32", shape=(8, 4), data=b"\x00\x00\x80\x7e" * 32)
@@ -118,6 +132,27 @@ class HostileMailbox:
             digest=payload_digest(payload),
         )
         return seal(to_bytes(record, WRONG), payload)
+
+
+def forged_commit(r: int, fragments: int) -> Commit:
+    """A commit of round ``r`` valid in every way but its signature."""
+    digest, nonce = "ee" * 32, "e" * 16
+    base = r - fragments if r >= fragments else -1
+    return Commit(
+        round=r,
+        fragment=r % fragments,
+        base_round=base,
+        closer="eve",
+        attempt=0,
+        nonce=nonce,
+        included=(
+            Included(
+                node="eve", nonce=nonce, samples=10**9, steps=1, base_round=base, digest=digest
+            ),
+        ),
+        params=PayloadRef(key=keys.params(r, nonce), digest=digest, size=64),
+        state=PayloadRef(key=keys.state(r, nonce), digest=digest, size=64),
+    )
 
 
 def _round_of(key: str) -> int:

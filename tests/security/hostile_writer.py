@@ -10,7 +10,8 @@ honest objects) and, every ``--interval`` seconds, writes under the run's keys:
   rounds hold its objects before any honest node reports there): a forged snapshot ``eve`` (the
   fragment's exact tensors, every value 1e30, a billion samples, signed with a wrong secret),
   garbage ``mallory``, an object ``oscar`` one byte over the closer's download bound, a forged
-  claim of attempt 0 and a foreign ``README``;
+  claim of attempt 0, a foreign ``README``, and the round's first two commit keys (a forged
+  commit, then garbage: honest closers pass them, ``core.slots``);
 * replays: an honest snapshot of the fragment's previous round under ``trent``, an honest
   claim under the next attempt's key, an honest commit under a round the run never reaches;
 * forged leases: ``eve`` (wrong secret), ``mallory`` (garbage), ``oscar`` (oversized) and
@@ -20,8 +21,8 @@ honest objects) and, every ``--interval`` seconds, writes under the run's keys:
 
 Keys that are create-only are written with the mailbox's ``create``, so the writer races the
 honest nodes as any writer would; it never deletes or overwrites an honest object. It does not
-squat keys that would stop the run (an honest node's snapshot key, the next commit of a
-fragment, or overwrite honest leases): docs/security.md lists those as known limits.
+squat keys that would change the run (an honest node's snapshot key, or overwrite honest
+leases): docs/security.md lists those as known limits.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from hostile import forged_commit
 
 from gradientmail import mailbox_from_url
 from gradientmail.core import keys
@@ -97,6 +100,8 @@ class Writer:
         claim = Claim(node="eve", nonce="e" * 16, round=r, attempt=0)
         await self.plant(keys.claim(r, 0), seal(to_bytes(claim, WRONG)))
         await self.plant(f"{keys.round_prefix(r)}README", b"foreign object")
+        await self.plant(keys.commit(r, 0), seal(to_bytes(forged_commit(r, self.K), WRONG)))
+        await self.plant(keys.commit(r, 1), b"\x00garbage" * 8)
 
     async def _replay(self, honest: set[str]) -> None:
         for key in sorted(honest - self.replayed):

@@ -62,7 +62,7 @@ def test_a_hostile_writer_changes_nothing_in_a_signed_run() -> None:
     writer = hostile[0]
     for r in rounds:
         planted = [k for k in writer.planted if k.startswith(keys.round_prefix(r))]
-        assert len(planted) >= 5 + (r >= 2), f"the writer was busy in round {r}"
+        assert len(planted) >= 7 + (r >= 2), f"the writer was busy in round {r}"
     excluded = {(e.key.rsplit("/", 1)[1], e.reason) for e in events if isinstance(e, Excluded)}
     reasons = {who: {r for w, r in excluded if w == who} for who in ("eve", "mallory", "trent")}
     assert any("bad signature" in r for r in reasons["eve"])
@@ -75,8 +75,15 @@ def test_a_hostile_writer_changes_nothing_in_a_signed_run() -> None:
     assert "not downloaded" in rejected[keys.lease("oscar")]
     assert keys.lease("mallory") in rejected
     assert any("claims" in k and "bad signature" in reason for k, reason in rejected.items())
+    # Every round's first two commit keys were squatted before its close: passed, reported,
+    # and each round committed once, at its third key (core.slots).
+    for r in rounds:
+        assert "bad signature" in rejected[keys.commit(r, 0)], r
+        assert "magic" in rejected[keys.commit(r, 1)], r
+        assert asyncio.run(store.get(keys.commit(r, 2))) is not None, r
+        assert asyncio.run(store.get(keys.commit(r, 3))) is None, r
 
-    assert included(store, rounds) == HONEST
+    assert included(store, rounds, KEYRING) == HONEST
     # The audit reads the store as the hostile writer left it: everything it planted is
     # reported (rejected, or foreign to the key layout), and nothing counts as a violation.
     report = audit(store, backend=TorchBackend(), keyring=KEYRING)
@@ -183,6 +190,9 @@ def test_a_hostile_writer_process_beside_three_node_processes_changes_no_outcome
     assert planted <= set(rejected) | set(report.foreign), "every object it wrote is reported"
     assert set(rejected) <= planted, "no honest object is rejected"
     assert included(mailbox_from_url(hostile.url), report.rounds, KEYRING) == HONEST
+    squatted = [r for r in report.rounds if keys.commit(r, 0) in planted]
+    assert squatted, "the writer squatted commit keys before the rounds closed"
+    assert all("bad signature" in rejected[keys.commit(r, 0)] for r in squatted)
 
     losses, finals = {}, {}
     for name, cluster in runs.items():

@@ -169,12 +169,16 @@ def test_every_commit_verifies_and_params_derive_from_the_listed_snapshots(run: 
 
 def test_a_commit_record_replayed_under_a_new_round_is_rejected(run: Run) -> None:
     async def replay() -> None:
-        exchange = Exchange(run.store, MonotonicClock(), keyring=KEYRING)
+        events: list[Event] = []
+        exchange = Exchange(run.store, MonotonicClock(), keyring=KEYRING, on_event=events.append)
         genuine = await run.store.get(keys.commit(0))
         assert genuine is not None
         await run.store.create(keys.commit(99), genuine)
         with pytest.raises(FormatError, match="commit record names round 0"):
-            await exchange.commit(99)
+            await exchange.commit_at(99, 0)
+        # Readers pass it (core.slots): round 99 has no commit, and the replay is reported.
+        assert await exchange.commit(99) is None
+        assert [(e.key, "names round 0" in e.reason) for e in events] == [(keys.commit(99), True)]
 
     asyncio.run(replay())
 

@@ -186,7 +186,7 @@ def test_status_and_gc_of_a_signed_run_need_its_keyring_and_are_not_fooled_by_fo
     assert [f["newest_round"] for f in report["fragments"]] == newest, "forged commits skipped"
     rejected = {r["key"]: r["reason"] for r in report["rejected"]}
     assert set(rejected) == set(expected)
-    assert all(why in rejected[key] for key, why in expected.items())
+    assert all(why in rejected[key] for key, why in expected.items()), rejected
     opened = report["fragments"][0]
     assert opened["open_round"] == newest[0] + 2 and opened["claims"] == []
     assert opened["reporters"] == [] and opened["unverified_reporters"] == ["eve"]
