@@ -29,6 +29,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--crashes", type=int, default=0, help="crash budget")
     p.add_argument("--faults", type=int, default=0, help="lost or ambiguous writes")
     p.add_argument("--pauses", type=int, default=0, help="process pauses")
+    p.add_argument(
+        "--forgeries", type=int, default=0, help="objects a forger squats commit keys with"
+    )
     p.add_argument("--quorum", type=int, default=1)
     p.add_argument("--grace", type=int, default=0, help="seconds")
     p.add_argument("--overlap", type=_overlap, default=0, help="overlap_steps, or none")
@@ -63,6 +66,7 @@ def config_of(args: argparse.Namespace) -> Config:
         crashes=args.crashes,
         faults=args.faults,
         pauses=args.pauses,
+        forgeries=args.forgeries,
         quorum=args.quorum,
         grace=args.grace,
         overlap=args.overlap,

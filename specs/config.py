@@ -61,6 +61,10 @@ class Config:
     crashes, faults, pauses
         Budgets: node crashes, faulty creates (lost in transit, or landed with the answer lost),
         and process pauses (a paused node takes no step until it resumes).
+    forgeries
+        Budget of a writer without the run's secret: objects that do not verify, each created at
+        the next free commit key of a round not committed yet (``core.slots``; the world is a
+        signed run's).
     grain
         "write": a loop's step runs its rule until a call whose effects write (or it waits), so
         a node's reads between two writes see one mailbox (the explorer's default); "call":
@@ -89,6 +93,7 @@ class Config:
     crashes: int = attrs.field(default=0, validator=_at_least(0))
     faults: int = attrs.field(default=0, validator=_at_least(0))
     pauses: int = attrs.field(default=0, validator=_at_least(0))
+    forgeries: int = attrs.field(default=0, validator=_at_least(0))
     grain: str = attrs.field(default="write")
     poll_interval: int = attrs.field(default=1, validator=_at_least(1))
     lease_every: int = attrs.field(default=1, validator=_at_least(1))
@@ -160,6 +165,8 @@ class Config:
             parts.append(f"overlap={self.overlap}")
         if self.pauses:
             parts.append(f"pauses={self.pauses}")
+        if self.forgeries:
+            parts.append(f"forgeries={self.forgeries}")
         if self.grain != "write":
             parts.append(f"grain={self.grain}")
         if self.horizon:

@@ -17,9 +17,9 @@ from typing import Any
 from gradientmail.core import effects as fx
 from gradientmail.core import keys
 from gradientmail.core.identity import derived
-from gradientmail.core.records import Claim, Commit, Manifest, PayloadRef, Snapshot
+from gradientmail.core.records import Claim, Manifest, PayloadRef, Snapshot
 from gradientmail.core.tensors import ParameterSpec, Schema
-from specs.mailbox import DIGEST, Payload, SnapObj, lease_size
+from specs.mailbox import DIGEST, Payload, SnapObj, commit_at, lease_size
 from specs.state import NodeState, World
 
 __all__ = ["WRITES", "execute", "run_schema"]
@@ -121,10 +121,8 @@ def _snapshot(node: str, nonce: str, r: int, base: int, samples: int, steps: int
 
 
 def _read_commit(world: World, i: int, read: fx.PollCommit | fx.ReadCommit, _: str) -> Outcome:
-    found = world.mailbox.get(keys.commit(read.round))
-    return world, fx.CommitRead(
-        round=read.round, commit=found if isinstance(found, Commit) else None
-    )
+    _, found = commit_at(world.mailbox, read.round)
+    return world, fx.CommitRead(round=read.round, commit=found)
 
 
 def _read_head(world: World, i: int, read: fx.ReadHead, _: str) -> Outcome:
@@ -244,7 +242,7 @@ def _outer_step(world: World, i: int, step: fx.OuterStep, _: str) -> Outcome:
 
 def _create_commit(world: World, i: int, create: fx.CreateCommit, outcome: str) -> Outcome:
     commit = create.commit
-    key = keys.commit(commit.round)
+    key, _ = commit_at(world.mailbox, commit.round)  # the first key not squatted (core.slots)
     before = world.mailbox.get(key)
     world, created = _create(world, key, commit, commit.nonce, outcome)
     if before is None and key in world.mailbox:

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from itertools import pairwise
 
 from gradientmail.core import chain, gc, keys
-from gradientmail.core.records import Claim, Commit
-from specs.mailbox import SnapObj
+from gradientmail.core.records import Claim
+from specs.mailbox import SnapObj, commit_at
 from specs.state import World
 
 __all__ = ["INVARIANTS", "check", "violations"]
@@ -101,7 +101,7 @@ def merged_committed(world: World) -> str | None:
         if node.trainer is None:
             continue
         for f in node.trainer.fragments:
-            if f.merged >= 0 and not isinstance(world.mailbox.get(keys.commit(f.merged)), Commit):
+            if f.merged >= 0 and commit_at(world.mailbox, f.merged)[1] is None:
                 return f"n{i} merged round {f.merged}, which has no commit"
     return None
 

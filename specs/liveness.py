@@ -101,6 +101,8 @@ def _progress(
         moved = False
         for i in range(len(world.nodes)):
             for event in _due(world, i):
+                if event.kind == "merge" and not world.node(i).ready:
+                    continue  # an earlier step of this pass merged it (``_leave``, say)
                 try:
                     after = apply(world, event)
                 except OutOfBounds:

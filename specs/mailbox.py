@@ -18,15 +18,17 @@ from collections.abc import Iterator
 from functools import lru_cache
 from typing import NamedTuple, Union
 
-from gradientmail.core import keys
+from gradientmail.core import keys, slots
 from gradientmail.core.records import Claim, Commit, Lease, Manifest, Snapshot, to_bytes
 
 __all__ = [
     "DIGEST",
+    "Forged",
     "Mailbox",
     "Obj",
     "Payload",
     "SnapObj",
+    "commit_at",
     "lease_size",
     "nonce",
 ]
@@ -55,7 +57,28 @@ class Payload(NamedTuple):
     key: str
 
 
-Obj = Union[Manifest, Lease, SnapObj, Claim, Commit, Payload, int]  # noqa: UP007
+class Forged(NamedTuple):
+    """An object a writer without the run's secret planted at a create-only key: garbage or a
+    forgery, which no reader verifies (``Config.forgeries``)."""
+
+    key: str
+
+
+Obj = Union[Manifest, Lease, SnapObj, Claim, Commit, Payload, Forged, int]  # noqa: UP007
+
+
+def commit_at(mailbox: Mailbox, r: int) -> tuple[str, Commit | None]:
+    """Round ``r``'s commit as every reader finds it (``core.slots``): the commit at the first
+    of its commit keys that verifies, with that key; or None with the key the walk stopped at
+    (the first free one, where a closer creates)."""
+    slot: int | None = 0
+    while slot is not None:
+        key = keys.commit(r, slot)
+        found = mailbox.get(key)
+        if isinstance(found, Commit):
+            return key, found
+        slot = slots.next_slot(slot, "missing" if found is None else "refused")
+    return key, None
 
 
 @lru_cache(maxsize=4096)

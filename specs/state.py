@@ -102,9 +102,10 @@ class NodeState(NamedTuple):
 
 class Event(NamedTuple):
     """One atomic step of the world. ``loop``: which of a node's loops a ``step`` runs;
-    ``outcome`` of the first create in a step: "ok", "lost" (did not land: the retry goes on)
-    or "ambiguous" (landed, and the answer was lost); "ambiguous@commit" and the like fault
-    only the first create of that kind of record."""
+    ``samples``: the inner steps a ``train`` makes, or the round whose next commit key a
+    ``forge`` squats; ``outcome`` of the first create in a step: "ok", "lost" (did not land:
+    the retry goes on) or "ambiguous" (landed, and the answer was lost); "ambiguous@commit" and
+    the like fault only the first create of that kind of record."""
 
     kind: str
     node: int = -1
@@ -113,6 +114,8 @@ class Event(NamedTuple):
     samples: int = 1
 
     def __str__(self) -> str:
+        if self.kind == "forge":
+            return f"forger squats round {self.samples}'s next commit key"
         who = f"n{self.node} " if self.node >= 0 else ""
         what = self.kind if not self.loop else f"{self.loop}"
         if self.kind == "train" and self.samples != 1:
@@ -135,6 +138,7 @@ class World(NamedTuple):
     crashes: int = 0
     faults: int = 0
     pauses: int = 0
+    forgeries: int = 0
     commit_writes: tuple[tuple[int, int], ...] = ()
     spans: tuple[tuple[str, tuple[str, int, int, int]], ...] = ()
     flags: tuple[tuple[str, str], ...] = ()

@@ -30,7 +30,7 @@ from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.effects import LeasesListed
 from gradientmail.core.leases import Keeper, Leases
 from gradientmail.core.records import Claim, Commit, Included, Lease, Manifest, Snapshot
-from specs.mailbox import Mailbox, Payload, SnapObj
+from specs.mailbox import Forged, Mailbox, Payload, SnapObj
 from specs.state import NodeState, World
 
 __all__ = ["fingerprint", "view"]
@@ -46,7 +46,8 @@ def view(world: World) -> tuple[Any, ...]:
     config = world.config
     versions = _versions(world.mailbox)
     nodes = tuple(_node(world, node, versions) for node in world.nodes)
-    ghosts = (world.crashes, world.faults, world.pauses, world.commit_writes, world.flags)
+    ghosts = (world.crashes, world.faults, world.pauses, world.forgeries, world.commit_writes)
+    ghosts += (world.flags,)
     return (nodes, _mailbox(world.mailbox), world.spans, ghosts, config.cap)
 
 
@@ -117,7 +118,7 @@ class _Coder:
         return self.versions.get(node) == version
 
     def object(self, obj: object) -> Any:
-        if isinstance(obj, SnapObj | Payload | int):
+        if isinstance(obj, SnapObj | Payload | Forged | int):
             return repr(obj)
         return self.encode(obj)
 

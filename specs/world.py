@@ -41,11 +41,11 @@ from typing import Any
 
 from gradientmail.core import effects as fx
 from gradientmail.core import join, keys, learner, polling, syncer
-from gradientmail.core.records import Commit, Manifest
+from gradientmail.core.records import Manifest
 from specs.bugs import rules_for
 from specs.config import Config
 from specs.execute import CREATES, WRITES, execute, run_schema
-from specs.mailbox import Mailbox, nonce
+from specs.mailbox import Forged, Mailbox, commit_at, nonce
 from specs.state import (
     ABSENT,
     DOWN,
@@ -301,8 +301,8 @@ def _counted(world: World, fragment: Any, me: str) -> bool:
     (commit records are never collected)."""
     if fragment.outstanding is None or fragment.nonce is None:
         return False
-    commit = world.mailbox.get(keys.commit(fragment.outstanding))
-    return isinstance(commit, Commit) and commit.includes(me, fragment.nonce)
+    _, commit = commit_at(world.mailbox, fragment.outstanding)
+    return commit is not None and commit.includes(me, fragment.nonce)
 
 
 def _publish(world: World, i: int, effects: list[learner.Effect]) -> World:
@@ -397,6 +397,8 @@ def apply(world: World, event: Event) -> World:
         return world.with_node(i, world.node(i)._replace(paused=True))
     if kind == "resume":
         return world.with_node(i, world.node(i)._replace(paused=False))
+    if kind == "forge":
+        return _forge(world, event.samples)
     if kind == "tick":
         nodes = tuple(n._replace(clock=n.clock + 1) for n in world.nodes)
         return world._replace(time=world.time + 1, nodes=nodes)
@@ -408,6 +410,30 @@ def apply(world: World, event: Event) -> World:
     raise ValueError(f"unknown event kind {kind!r}")
 
 
+def _forge(world: World, r: int) -> World:
+    """A writer without the secret creates an object that does not verify at round ``r``'s
+    first free commit key (``core.slots``), before the round has a commit."""
+    key, commit = commit_at(world.mailbox, r)
+    if commit is not None or key in world.mailbox:
+        return world
+    mailbox, _ = world.mailbox.create(key, Forged(key))
+    return world._replace(mailbox=mailbox, forgeries=world.forgeries + 1)
+
+
+def _forgeries(world: World) -> list[tuple[Event, World]]:
+    """The forger's moves while its budget lasts: squat the next commit key of any round that
+    has none yet (``Config.forgeries``)."""
+    if world.forgeries >= world.config.forgeries:
+        return []
+    found = []
+    for r in range(world.config.round_bound):
+        event = Event("forge", samples=r)
+        after = _forge(world, r)
+        if after is not world:
+            found.append((event, after))
+    return found
+
+
 def successors(world: World, *, samples: tuple[int, ...] = (1,)) -> list[tuple[Event, World]]:
     """Every enabled event with the world it leads to, in a fixed order (nodes by index).
     Events that would leave the bounds, or that change nothing, are not enabled."""
@@ -417,6 +443,7 @@ def successors(world: World, *, samples: tuple[int, ...] = (1,)) -> list[tuple[E
             after = _attempt(world, event)
             if after is not None:
                 found.append((event, after))
+    found += _forgeries(world)
     if may_tick(world):
         found.append((Event("tick"), apply(world, Event("tick"))))
     if world.config.drift:
@@ -447,7 +474,7 @@ def enabled(world: World, *, samples: tuple[int, ...] = (1,)) -> list[Event]:
 
 def try_apply(world: World, event: Event) -> World | None:
     """The world after ``event`` when it is enabled (and changes something), else None."""
-    if event.kind in ("tick", "fast", "slow"):
+    if event.kind in ("tick", "fast", "slow", "forge"):
         return dict(successors(world)).get(event)
     if not 0 <= event.node < len(world.nodes):
         return None
@@ -463,7 +490,7 @@ def of_kind(
 ) -> list[tuple[Event, World]]:
     """The enabled events of ``kinds`` only (cheaper than ``successors`` when a driver picks
     a kind of step first, as the Hypothesis machine does)."""
-    if kinds & {"tick", "fast", "slow"}:
+    if kinds & {"tick", "fast", "slow", "forge"}:
         return [(e, w) for e, w in successors(world, samples=samples) if e.kind in kinds]
     found = []
     for i, node in enumerate(world.nodes):

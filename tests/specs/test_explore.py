@@ -13,13 +13,18 @@ from pathlib import Path
 import attrs
 import pytest
 
+from gradientmail.core import keys
+from gradientmail.core.records import Commit
 from specs.__main__ import main
 from specs.bugs import BROKEN, BUGS
 from specs.config import Config
 from specs.explore import explore, random_walk, replay
 from specs.invariants import check
 from specs.liveness import settle
+from specs.mailbox import Forged, commit_at
 from specs.state import Event
+from specs.view import fingerprint
+from specs.world import initial, successors
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,6 +49,8 @@ CI_CONFIGS = [
     Config(nodes=1, rounds=2, crashes=1, faults=1),
     Config(nodes=2, rounds=1, leave=False),
     Config(nodes=2, rounds=1, leave=False, quorum=2, grace=1),
+    # A forger squats commit keys (core.slots): 4,830 distinct states in about 5 s.
+    Config(nodes=1, rounds=2, forgeries=2),
 ]
 # Exhausted by hand (`--runslow`): 172,378 distinct states in about three minutes.
 SLOW_CONFIGS = [
@@ -57,6 +64,7 @@ BOUNDED_CONFIGS = [
     Config(nodes=2, rounds=1),
     Config(nodes=2, rounds=1, leave=False, crashes=1),
     Config(nodes=2, fragments=2, rounds=2, leave=False),
+    Config(nodes=2, rounds=1, leave=False, forgeries=1),
 ]
 BOUND = 200_000
 
@@ -228,6 +236,35 @@ def test_random_walks_hold_and_find_a_planted_bug() -> None:
     buggy = Config(nodes=2, rounds=3, bugs=frozenset({"rebase-included"}))
     found = random_walk(buggy, seed=1, walks=20, depth=150, liveness=False).violation
     assert found is not None and found.name in ("merges-forward", "samples-once")
+
+
+def test_a_squatted_commit_key_moves_the_commit_to_the_next_key() -> None:
+    """The explored forger does reach the rounds it squats: breadth-first over a one-node world
+    with two forgeries, some state has round 0's commit at its third key behind two squatted
+    ones, every state holds every invariant, and no round is committed twice."""
+    config = Config(nodes=1, rounds=1, forgeries=2, leave=False)
+    world = initial(config)
+    seen, frontier, found = {fingerprint(world)}, [world], None
+    while frontier and found is None:
+        following = []
+        for w in frontier:
+            for _, after in successors(w):
+                fp = fingerprint(after)
+                if fp in seen:
+                    continue
+                seen.add(fp)
+                assert check(after) is None, check(after)
+                assert all(count == 1 for _, count in after.commit_writes)
+                if isinstance(commit_at(after.mailbox, 0)[1], Commit) and isinstance(
+                    after.mailbox.get(keys.commit(0, 1)), Forged
+                ):
+                    found = after
+                following.append(after)
+        frontier = following
+    assert found is not None, f"no state of {len(seen)} commits behind squatted keys"
+    key, commit = commit_at(found.mailbox, 0)
+    assert key == keys.commit(0, 2) and commit is not None
+    assert isinstance(found.mailbox.get(keys.commit(0)), Forged)
 
 
 def test_the_command_prints_a_trace_or_no_violation(capsys: pytest.CaptureFixture[str]) -> None:
