@@ -569,9 +569,10 @@ class ParamsRead:
 
 @attrs.frozen(kw_only=True)
 class LeasesListed:
-    """One LIST of ``leases/``: ``(node, version, size)`` for every lease key of ours."""
+    """One LIST of ``leases/``: ``(node, version, size, md5)`` for every lease key of ours
+    (``md5``: of its bytes, where the store lists it; else None)."""
 
-    entries: tuple[tuple[str, str, int], ...]
+    entries: tuple[tuple[str, str, int, str | None], ...]
 
 
 @attrs.frozen(kw_only=True)

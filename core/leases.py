@@ -9,10 +9,19 @@ GC, a suspended VM) sees nobody age until it has polled again, and that poll sho
 renewed meanwhile as changed, so a pause never makes others look dead (Decision 3, as refined in
 docs/decisions.md). A lease missing from one listing is kept as last seen, so a stale or partial
 LIST cannot expire a live node at once; it ages like any unchanged lease.
+
+A change counts only when the record says so: a later ``counter`` of the same process
+(``nonce``), or a process not seen before. A listed change whose MD5 (the etag S3 and GCS list)
+is that of one of the next genuine renewals this observer expects (``renewal``: the exact bytes
+the node writes, signed in a signed run) counts without a GET; any other change is read, and a
+forgery, an older record of the same process or a record of a process that was replaced is
+reported and never read again, so it cannot keep a dead node alive.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 from collections.abc import Mapping
 
@@ -29,7 +38,9 @@ from gradientmail.core.effects import (
     Rejected,
     RenewLease,
 )
-from gradientmail.core.records import Lease
+from gradientmail.core.envelope import seal
+from gradientmail.core.records import Lease, to_bytes
+from gradientmail.core.signing import Keyring
 
 __all__ = [
     "Keeper",
@@ -37,19 +48,21 @@ __all__ = [
     "Leases",
     "Observed",
     "batch_share",
+    "lease_md5",
     "listed",
-    "needs_read",
     "observe",
     "read",
     "renew",
+    "renewal",
     "watch",
 ]
 
 
 @attrs.frozen(kw_only=True)
 class Observed:
-    """What an observer knows of one lease: its version (etag), whether it says ``left``, its
-    process nonce, and when (observer's clock, seconds) the version was first seen."""
+    """What an observer knows of one lease: the record it last judged (``version``:
+    ``nonce.counter``, ``Known.record``), whether it says ``left``, its process nonce, and when
+    (observer's clock, seconds) that record was first seen."""
 
     version: str
     left: bool
@@ -101,8 +114,9 @@ def observe(
 ) -> Leases:
     """Fold one poll of ``leases/``, made at ``now`` (observer's clock, seconds), into the view.
 
-    ``listing`` maps each listed node to ``(version, left, nonce)``. A new version counts as a
-    change now; a lease not listed keeps what was last seen of it (and so ages).
+    ``listing`` maps each listed node to ``(version, left, nonce)``, the version naming the
+    record (``Known.record``). A new version counts as a change now; a lease not listed keeps
+    what was last seen of it (and so ages).
     """
     seen = leases.by_node
     for node, (version, left, nonce) in listing.items():
@@ -122,13 +136,63 @@ def batch_share(global_batch: int | None, active: int) -> int | None:
 
 @attrs.frozen(kw_only=True)
 class Known:
-    """A lease as this node last read it: the listing entry it was read at (``version``,
-    ``size``) and what the record said."""
+    """A lease as this node last judged it: the listing ``version`` it was seen at, and what
+    the record said (``counter``, ``left``, the process ``nonce``); ``retired``: the nonces of
+    the node's earlier processes (their records are replays now)."""
 
     version: str
-    size: int
     left: bool
     nonce: str
+    counter: int
+    retired: tuple[str, ...] = ()
+
+    @property
+    def record(self) -> str:
+        """The record's identity (``nonce.counter``): the view counts a change when it moves."""
+        return f"{self.nonce}.{self.counter}"
+
+
+RENEWALS_AHEAD = 8
+"""How many renewals past the last one judged an observer recognizes from a listed MD5 (an
+observer lists every ``lease_every / 2`` seconds, so normally the next one; a paused observer
+reads the lease)."""
+
+RETIRED_KEPT = 4
+
+
+@functools.lru_cache(maxsize=65536)
+def lease_md5(lease: Lease, keyring: Keyring | None) -> str:
+    """The MD5 (hex) of the object a node writes for ``lease``: its etag on S3 and GCS."""
+    return hashlib.md5(seal(to_bytes(lease, keyring)), usedforsecurity=False).hexdigest()
+
+
+def renewal(
+    node: str, known: Known, md5: str | None, keyring: Keyring | None
+) -> tuple[int, bool] | None:
+    """``(counter, left)`` of the genuine renewal of ``known`` whose object has this ``md5``
+    (one of the next ``RENEWALS_AHEAD``, left or not), or None: the change must be read."""
+    if md5 is None:
+        return None
+    for counter in range(known.counter + 1, known.counter + 1 + RENEWALS_AHEAD):
+        for left in (False, True):
+            lease = Lease(node=node, nonce=known.nonce, counter=counter, left=left)
+            if lease_md5(lease, keyring) == md5:
+                return counter, left
+    return None
+
+
+def judge(node: str, known: Known | None, lease: Lease) -> str | None:
+    """Why a verified ``lease`` read after a listed change is refused (a replay of an older
+    record of the same process, or of a process since replaced), or None: a renewal, a new
+    process, or the record already judged (rewritten by a retry, or read before the listing
+    caught up), which is no change."""
+    if known is None:
+        return None
+    if lease.nonce == known.nonce and lease.counter < known.counter:
+        return f"replayed: counter {lease.counter}, and {known.counter} was seen"
+    if lease.nonce in known.retired:
+        return f"replayed: a record of {node}'s process {lease.nonce}, since replaced"
+    return None
 
 
 @attrs.frozen(kw_only=True)
@@ -136,10 +200,10 @@ class Keeper:
     """A node's side of the leases: renewing its own every ``lease_every`` seconds, and its
     view of everyone's from a LIST of ``leases/`` every ``lease_every / 2`` seconds.
 
-    ``known`` is what each lease said when last read, ``rejected`` the versions that did not
-    verify (never read again), ``expired`` the nodes already reported expired. While a LIST's
-    reads are in flight, ``listing`` holds the entries folded so far and ``waiting`` the
-    version and size of each lease being read."""
+    ``known`` is what each lease said when last judged, ``rejected`` the versions that did not
+    verify or were replays (never read again), ``expired`` the nodes already reported expired.
+    While a LIST's reads are in flight, ``listing`` holds the entries folded so far and
+    ``waiting`` the version of each lease being read."""
 
     counter: int = 0
     next_renewal: float = -math.inf
@@ -150,23 +214,15 @@ class Keeper:
     known: tuple[tuple[str, Known], ...] = ()
     rejected: tuple[tuple[str, str], ...] = ()
     listing: tuple[tuple[str, tuple[str, bool, str]], ...] | None = None
-    waiting: tuple[tuple[str, tuple[str, int]], ...] = ()
+    waiting: tuple[tuple[str, str], ...] = ()
     expired: frozenset[str] = frozenset()
 
     @property
     def deadline(self) -> float:
         """When this keeper next has something to do (seconds)."""
-        renewal = self.next_renewal if self.renewing else math.inf
+        renewing = self.next_renewal if self.renewing else math.inf
         observation = self.next_observation if self.listing is None else math.inf
-        return min(renewal, observation)
-
-
-def needs_read(known: Known | None, version: str, size: int) -> bool:
-    """Whether a listed lease must be read (GET): it is new, or it changed in a way a renewal
-    cannot (Decision 8: a renewal costs no GET). A lease's size changes whenever its ``left``
-    flag does (``records.Lease``), so an entry of the same version or size as the one last
-    read is that lease unchanged or renewed."""
-    return known is None or (known.version != version and known.size != size)
+        return min(renewing, observation)
 
 
 def renew(
@@ -191,21 +247,34 @@ def watch(keeper: Keeper, *, now: float, lease_every: float) -> tuple[Keeper, li
 
 
 def listed(
-    keeper: Keeper, result: LeasesListed, *, now: float, lease_timeout: float
+    keeper: Keeper,
+    result: LeasesListed,
+    *,
+    now: float,
+    lease_timeout: float,
+    keyring: Keyring | None = None,
 ) -> tuple[Keeper, list[Effect]]:
-    """A LIST of ``leases/``: renewals fold at once; a lease that is new or changed beyond a
-    renewal is read first (unless that version was rejected already)."""
+    """A LIST of ``leases/``: an unchanged entry, or one whose MD5 is an expected renewal
+    (``renewal``), folds at once; any other change is read first, unless that version was
+    refused already."""
     known, rejected = dict(keeper.known), dict(keeper.rejected)
     listing: dict[str, tuple[str, bool, str]] = {}
     updated = dict(known)
     waiting = []
-    for node, version, size in result.entries:
+    for node, version, _size, md5 in result.entries:
         was = known.get(node)
-        if was is not None and not needs_read(was, version, size):
-            updated[node] = attrs.evolve(was, version=version)
-            listing[node] = (version, was.left, was.nonce)
-        elif rejected.get(node) != version:
-            waiting.append((node, (version, size)))
+        if was is not None and was.version == version:
+            listing[node] = (was.record, was.left, was.nonce)
+            continue
+        if rejected.get(node) == version:
+            continue
+        renewed = renewal(node, was, md5, keyring) if was is not None else None
+        if was is not None and renewed is not None:
+            counter, left = renewed
+            updated[node] = attrs.evolve(was, version=version, counter=counter, left=left)
+            listing[node] = (updated[node].record, left, was.nonce)
+        else:
+            waiting.append((node, version))
     keeper = attrs.evolve(
         keeper,
         known=tuple(sorted(updated.items())),
@@ -221,24 +290,39 @@ def read(
     keeper: Keeper, result: LeaseRead, *, now: float, lease_timeout: float
 ) -> tuple[Keeper, list[Effect]]:
     """One lease read after a LIST; the view is folded once every read is back. A lease that
-    does not verify is reported and its version never read again; one that is gone or names
-    another node is left out of this listing (what was last seen of it stays)."""
+    does not verify, or that says no change (``judge``: a replay), is reported and its version
+    never read again; one that is gone or names another node is left out of this listing (what
+    was last seen of it stays)."""
     waiting = dict(keeper.waiting)
     if result.node not in waiting:
         return keeper, []
-    version, size = waiting.pop(result.node)
+    version = waiting.pop(result.node)
     effects: list[Effect] = []
     lease = result.lease
-    if result.rejected is not None:
+    was = dict(keeper.known).get(result.node)
+    reason = result.rejected
+    if reason is None and lease is not None and lease.node == result.node:
+        reason = judge(result.node, was, lease)
+    if reason is not None:
         rejected = dict(keeper.rejected)
         rejected[result.node] = version
         keeper = attrs.evolve(keeper, rejected=tuple(sorted(rejected.items())))
-        effects.append(Rejected(key=keys.lease(result.node), reason=result.rejected))
+        effects.append(Rejected(key=keys.lease(result.node), reason=reason))
     elif lease is not None and lease.node == result.node:
+        retired = was.retired if was is not None else ()
+        if was is not None and was.nonce != lease.nonce:
+            retired = (*retired, was.nonce)[-RETIRED_KEPT:]
+        now_known = Known(
+            version=version,
+            left=lease.left,
+            nonce=lease.nonce,
+            counter=lease.counter,
+            retired=retired,
+        )
         known = dict(keeper.known)
-        known[result.node] = Known(version=version, size=size, left=lease.left, nonce=lease.nonce)
+        known[result.node] = now_known
         listing = dict(keeper.listing or ())
-        listing[result.node] = (version, lease.left, lease.nonce)
+        listing[result.node] = (now_known.record, lease.left, lease.nonce)
         keeper = attrs.evolve(
             keeper, known=tuple(sorted(known.items())), listing=tuple(sorted(listing.items()))
         )

@@ -48,6 +48,7 @@ from gradientmail.core.effects import (
 from gradientmail.core.leases import Keeper
 from gradientmail.core.records import Commit, Lease, Manifest
 from gradientmail.core.rules import RULES, Rules
+from gradientmail.core.signing import Keyring
 
 __all__ = ["COMMIT_WINDOW", "Settings", "SyncerState", "step"]
 
@@ -71,6 +72,7 @@ class Settings:
     horizon: float = gc.DEFAULT_HORIZON
     outlier_factor: float | None = robust.DEFAULT_OUTLIER_FACTOR
     rules: Rules = RULES
+    keyring: Keyring | None = None  # a signed run's: the leases it expects are signed with it
 
 
 @attrs.frozen(kw_only=True)
@@ -158,7 +160,11 @@ def _take(
         return attrs.evolve(state, stopping=True), []
     if isinstance(item, LeasesListed):
         keeper, effects = leases.listed(
-            state.keeper, item, now=now, lease_timeout=settings.lease_timeout
+            state.keeper,
+            item,
+            now=now,
+            lease_timeout=settings.lease_timeout,
+            keyring=settings.keyring,
         )
         return attrs.evolve(state, keeper=keeper), effects
     if isinstance(item, LeaseRead):

@@ -23,6 +23,9 @@ import attrs
 from gradientmail._events import Committed, Event, Joined, LeaseExpired, Merged, Rebased
 from gradientmail._node import Node
 from gradientmail.core import keys
+from gradientmail.core.envelope import unseal
+from gradientmail.core.errors import FormatError
+from gradientmail.core.records import Lease, read_record
 from gradientmail.mailboxes._memory import Faults, MemoryMailbox
 from gradientmail.mailboxes._protocol import ObjectInfo, TransientMailboxError
 from gradientmail.testing._virtual import Crashed, NodeClock, Scheduler, VirtualClock
@@ -30,7 +33,7 @@ from sim.sim_backend import backend_for, model_for, train_step
 from sim.sim_checks import Checker, Incarnation, Violation
 from sim.sim_config import SimConfig
 from sim.sim_end import finish
-from sim.sim_mailbox import Latency, SimMailbox
+from sim.sim_mailbox import Latency, SimMailbox, run_now
 from specs.bugs import rules_for
 
 __all__ = ["Outcome", "World", "simulate"]
@@ -424,6 +427,13 @@ class World:
 
     def read(self, mailbox: SimMailbox, key: str) -> None:
         inc: Incarnation = mailbox.owner
+        if key.startswith(keys.LEASES):
+            # A lease read after a listing shows the record as it is now: an observation too
+            # (the keeper judges the record it reads, which may be newer than the one listed).
+            info = ObjectInfo(key=key, size=0, version="")
+            self.checker.leases_listed(
+                inc, {key[len(keys.LEASES) :]: _record_version(mailbox, info)}
+            )
         if inc.status == "starting" and key.startswith("heads/"):
             # A joining node's chain walk of a fragment begins: it must find at least the
             # newest commit there is now.
@@ -432,7 +442,9 @@ class World:
 
     def listed(self, mailbox: SimMailbox, prefix: str, infos: list[ObjectInfo]) -> None:
         if prefix == keys.LEASES:
-            versions = {i.key[len(keys.LEASES) :]: i.version for i in infos}
+            # A lease changes when its record does (core.leases judges the record): a retry
+            # rewriting the same renewal, or a replay, is no renewal.
+            versions = {i.key[len(keys.LEASES) :]: _record_version(mailbox, i) for i in infos}
             self.checker.leases_listed(mailbox.owner, versions)
 
     # -- events and the trace -------------------------------------------------------------
@@ -465,3 +477,14 @@ class World:
 
     def slot_of(self, inc: Incarnation) -> Slot:
         return self.slots[int(inc.node[1:])]
+
+
+def _record_version(mailbox: SimMailbox, info: ObjectInfo) -> str:
+    """The listed lease as its record says it (process nonce and counter), read from the store
+    as the listing ran; the listing's own version for an object that is no lease record."""
+    data = run_now(mailbox.oracle.get(info.key))
+    try:
+        lease = read_record(unseal(data).record, Lease, key=info.key)
+    except (FormatError, TypeError, ValueError):
+        return info.version
+    return f"{lease.nonce}.{lease.counter}.{lease.left}"

@@ -17,7 +17,8 @@ from typing import Any
 from gradientmail.core import effects as fx
 from gradientmail.core import keys
 from gradientmail.core.identity import derived
-from gradientmail.core.records import Claim, Manifest, PayloadRef, Snapshot
+from gradientmail.core.leases import lease_md5
+from gradientmail.core.records import Claim, Lease, Manifest, PayloadRef, Snapshot
 from gradientmail.core.tensors import ParameterSpec, Schema
 from specs.mailbox import DIGEST, Payload, SnapObj, commit_at, lease_size
 from specs.state import NodeState, World
@@ -178,8 +179,10 @@ def _list_leases(world: World, i: int, _: fx.ListLeases, __: str) -> Outcome:
     entries = []
     for key, lease in world.mailbox.list(keys.LEASES):
         node = key[len(keys.LEASES) :]
-        version = f"{lease.nonce}.{lease.counter}"  # type: ignore[union-attr]
-        entries.append((node, version, lease_size(lease)))  # type: ignore[arg-type]
+        assert isinstance(lease, Lease)
+        version = f"{lease.nonce}.{lease.counter}"
+        # The world's leases are unsigned records; the MD5 is what S3 would list for them.
+        entries.append((node, version, lease_size(lease), lease_md5(lease, None)))
     return world, fx.LeasesListed(entries=tuple(entries))
 
 

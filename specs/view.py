@@ -8,8 +8,9 @@ The view drops history and normalizes time so the explored space is finite:
   ``Config.cap`` either way: above every threshold a rule compares a time with, and their sums,
   so two worlds whose times differ only beyond the cap have the same futures;
 - a lease's counter is dropped: the mailbox keeps each lease's nonce and ``left`` flag, and
-  an observer only whether the version it last saw (or listed, or rejected) is still the
-  current one (the rules only ask whether a version changed);
+  an observer whether the version it last saw (or listed, or rejected) is still the current
+  one, and how many renewals behind the current one a counter it judged or listed is, capped
+  past ``leases.RENEWALS_AHEAD`` (the rules recognize that many renewals from a listing);
 - records keep what the rules read of them; a manifest is its creator and nonce.
 
 The fingerprint is blake2b over ``repr`` of the view, a nested tuple of ints, floats, strings,
@@ -28,7 +29,7 @@ import attrs
 from gradientmail.core import keys
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.effects import LeasesListed
-from gradientmail.core.leases import Keeper, Leases
+from gradientmail.core.leases import RENEWALS_AHEAD, Keeper, Leases
 from gradientmail.core.records import Claim, Commit, Included, Lease, Manifest, Snapshot
 from specs.mailbox import Forged, Mailbox, Payload, SnapObj
 from specs.state import NodeState, World
@@ -117,6 +118,15 @@ class _Coder:
     def fresh(self, node: str, version: str) -> bool:
         return self.versions.get(node) == version
 
+    def lag(self, node: str, version: str) -> int | None:
+        """How many renewals the lease listed now is past ``version`` (``nonce.counter``),
+        capped where ``leases.renewal`` stops recognizing them; None for another process's."""
+        nonce, _, counter = self.versions.get(node, "").partition(".")
+        seen_nonce, _, seen = version.partition(".")
+        if nonce != seen_nonce or not counter or not seen:
+            return None
+        return max(-1, min(int(counter) - int(seen), RENEWALS_AHEAD + 1))
+
     def object(self, obj: object) -> Any:
         if isinstance(obj, SnapObj | Payload | Forged | int):
             return repr(obj)
@@ -168,7 +178,17 @@ def _keeper(coder: _Coder, keeper: Keeper) -> Any:
         keeper.leaving,
         keeper.renewing,
         _leases(coder, keeper.view),
-        tuple((n, fresh(n, k.version), k.size, k.left, k.nonce) for n, k in keeper.known),
+        tuple(
+            (
+                n,
+                fresh(n, k.version),
+                coder.lag(n, f"{k.nonce}.{k.counter}"),
+                k.left,
+                k.nonce,
+                k.retired,
+            )
+            for n, k in keeper.known
+        ),
         tuple((n, fresh(n, v)) for n, v in keeper.rejected),
         None
         if keeper.listing is None
@@ -179,7 +199,10 @@ def _keeper(coder: _Coder, keeper: Keeper) -> Any:
 
 
 def _listed(coder: _Coder, listed: LeasesListed) -> Any:
-    return ("listed", tuple((n, coder.fresh(n, v), size) for n, v, size in listed.entries))
+    entries = tuple(
+        (n, coder.fresh(n, v), coder.lag(n, v), size) for n, v, size, _ in listed.entries
+    )
+    return ("listed", entries)
 
 
 def _manifest(coder: _Coder, manifest: Manifest) -> Any:

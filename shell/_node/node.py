@@ -206,6 +206,7 @@ class Node:
                 horizon=self._horizon,
                 outlier_factor=self._outlier_factor,
                 rules=self._rules,
+                keyring=self.exchange.keyring,
             ),
             state=synced,
             exchange=self.exchange,

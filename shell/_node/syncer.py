@@ -154,7 +154,9 @@ class SyncerLoop(Loop[syncer.SyncerState]):
 
     async def _list_leases(self, _: fx.ListLeases) -> fx.Result:
         infos = await self._exchange.lease_infos()
-        entries = tuple((node, info.version, info.size) for node, info in sorted(infos.items()))
+        entries = tuple(
+            (node, info.version, info.size, info.md5) for node, info in sorted(infos.items())
+        )
         return fx.LeasesListed(entries=entries)
 
     async def _read_lease(self, read: fx.ReadLease) -> fx.Result:

@@ -7,6 +7,7 @@ simulator on virtual time sees the injected delays on its own clock.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import random
 import threading
@@ -78,6 +79,10 @@ class _Entry:
     data: bytes
     version: int
     written_at: float
+    md5: str | None = None  # of objects up to MD5_LIMIT bytes, as S3's etag says it
+
+
+MD5_LIMIT = 64 * 1024
 
 
 class _Store:
@@ -189,6 +194,7 @@ class MemoryMailbox:
                         size=len(entry.data),
                         version=str(entry.version),
                         modified=entry.written_at,
+                        md5=entry.md5,
                     )
                 )
         self.stats.count("list")
@@ -210,7 +216,11 @@ class MemoryMailbox:
         if not replace and key in self._store.objects:
             return False
         version = next(self._store.versions)
-        self._store.objects[key] = _Entry(bytes(data), version, self._clock.now())
+        blob = bytes(data)
+        md5 = (
+            hashlib.md5(blob, usedforsecurity=False).hexdigest() if len(blob) <= MD5_LIMIT else None
+        )
+        self._store.objects[key] = _Entry(blob, version, self._clock.now(), md5)
         return True
 
     async def _write(self, kind: _Kind, key: str, data: bytes, apply: Callable[[], object]) -> bool:

@@ -395,12 +395,19 @@ def _wanted(key: str, prefix: str, after: str | None) -> bool:
 
 def _object_info(meta: ObjectMeta) -> ObjectInfo:
     version = meta["e_tag"] or meta["version"] or f"{meta['last_modified'].timestamp()}"
+    etag = (meta["e_tag"] or "").strip('"').lower()
     return ObjectInfo(
         key=meta["path"],
         size=meta["size"],
         version=f"{version}-{meta['size']}",
         modified=meta["last_modified"].timestamp(),
+        md5=etag if _MD5.fullmatch(etag) else None,
     )
+
+
+# An etag that is an MD5 of the bytes: S3 and GCS (XML API) for an object written in one
+# request without SSE-KMS. Multipart etags ("...-3") and Azure's ("0x8D...") are not.
+_MD5 = re.compile(r"[0-9a-f]{32}")
 
 
 def _describe(store: ObjectStore) -> str:

@@ -203,12 +203,17 @@ class ObjectInfo:
         modified: when the object was last written, in seconds: Unix time for directories and
             object stores (the store's clock), the mailbox clock's time in memory; None where a
             store does not say. ``gradientmail gc``'s time horizon reads it.
+        md5: the MD5 of the object's bytes, lowercase hex, where the listing says it: an S3 or
+            GCS etag that is a plain MD5 (an object written in one request without SSE-KMS);
+            objects up to 64 KiB in memory; None elsewhere (directories, Azure). Observers
+            recognize a lease renewal from it without a GET (``core.leases``).
     """
 
     key: str
     size: int
     version: str
     modified: float | None = None
+    md5: str | None = None
 
 
 class RequestStats:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import hashlib
 import itertools
 import multiprocessing
 import random
@@ -186,7 +187,14 @@ def _check_put(context: _Context) -> None:
         assert await mailbox.get(key) == b"two!", "put overwrites"
         [after] = await mailbox.list(key)
         assert after.size == 4 and after.version != before.version, (before, after)
+        # An MD5 a listing gives is the bytes' (observers trust it to recognize a renewal).
+        for info, data in ((before, b"one"), (after, b"two!")):
+            if info.md5 is not None:
+                assert info.md5 == hashlib.md5(data, usedforsecurity=False).hexdigest(), info
         assert await mailbox.create(owned, b"created") is True
+        [made] = await mailbox.list(owned)
+        if made.md5 is not None:
+            assert made.md5 == hashlib.md5(b"created", usedforsecurity=False).hexdigest(), made
         await mailbox.put(owned, b"overwritten by its owner")
         assert await mailbox.get(owned) == b"overwritten by its owner"
         await mailbox.delete(owned)

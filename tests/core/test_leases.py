@@ -1,16 +1,23 @@
 """Liveness from leases on the observer's own clock: expiry after ``lease_timeout`` unchanged,
 a change resets it, expiry is judged at the last poll so a pause ages nobody (Decision 3), slow
 polls still expire dead nodes (F2), left nodes stay live but inactive, and a lease missing from
-a listing is kept as last seen (F1)."""
+a listing is kept as last seen (F1); and a keeper counts a change only when the record says so
+(a later counter of the process, or a new process), recognizing renewals from a listed MD5."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gradientmail.core.leases import Leases, Observed, observe
+from gradientmail.core import leases
+from gradientmail.core.effects import Expired, LeaseRead, LeasesListed, ReadLease, Rejected
+from gradientmail.core.envelope import seal
+from gradientmail.core.leases import Keeper, Leases, Observed, observe
+from gradientmail.core.records import Lease, to_bytes
+from gradientmail.core.signing import Keyring
 
 EVERY = 10.0
 TIMEOUT = 25.0
@@ -167,3 +174,126 @@ def test_expiry_matches_a_reference_model(
         assert leases.expired("a", now=now, lease_timeout=TIMEOUT) is expected
         assert leases.expired("a", now=now + later, lease_timeout=TIMEOUT) is expected
         assert ("a" in leases.active(now=now, lease_timeout=TIMEOUT)) is not expected
+
+
+# -- the keeper judges changes by what the record says ---------------------------------------
+
+KEYRING = Keyring.of(b"the run secret, at least 16 bytes")
+WRONG = Keyring.of(b"a forger's guess at the secret..")
+
+
+class Store:
+    """What a LIST of one lease key shows: its version and the MD5 of its bytes."""
+
+    def __init__(self) -> None:
+        self.writes = 0
+        self.entry: tuple[str, str, int, str | None] | None = None
+        self.record: Lease | None = None
+
+    def write(self, lease: Lease, signer: Keyring | None = KEYRING, *, md5: bool = True) -> None:
+        self.writes += 1
+        blob = seal(to_bytes(lease, signer))
+        digest = hashlib.md5(blob, usedforsecurity=False).hexdigest() if md5 else None
+        self.entry = (lease.node, f"v{self.writes}", len(blob), digest)
+        self.record = lease if signer == KEYRING else None
+
+
+def list_and_read(keeper: Keeper, store: Store, now: float) -> tuple[Keeper, list[object]]:
+    """One LIST of the store, then the reads the keeper asks for (a forgery reads as
+    rejected), as the syncer executes them."""
+    assert store.entry is not None
+    listing = LeasesListed(entries=(store.entry,))
+    keeper, effects = leases.listed(
+        keeper, listing, now=now, lease_timeout=TIMEOUT, keyring=KEYRING
+    )
+    reads = [e for e in effects if isinstance(e, ReadLease)]
+    done: list[object] = [e for e in effects if not isinstance(e, ReadLease)]
+    for read in reads:
+        found = store.record
+        rejected = None if found is not None else "bad signature"
+        result = LeaseRead(node=read.node, lease=found, rejected=rejected)
+        keeper, more = leases.read(keeper, result, now=now, lease_timeout=TIMEOUT)
+        done += more
+    return keeper, [*reads, *done]
+
+
+def test_a_renewal_is_recognized_from_its_md5_without_a_read() -> None:
+    store, keeper = Store(), Keeper()
+    store.write(Lease(node="a", nonce=NA, counter=1))
+    keeper, done = list_and_read(keeper, store, 0.0)
+    assert [type(e) for e in done] == [ReadLease], "a new lease is read once"
+    for counter in range(2, 6):
+        store.write(Lease(node="a", nonce=NA, counter=counter))
+        keeper, done = list_and_read(keeper, store, 10.0 * counter)
+        assert done == [], "a renewal costs no GET"
+    assert dict(keeper.known)["a"].counter == 5
+    assert "a" in keeper.view.active(now=50.0, lease_timeout=TIMEOUT)
+    # Leaving, and renewals skipped by a slow observer (within RENEWALS_AHEAD), too.
+    store.write(Lease(node="a", nonce=NA, counter=9, left=True))
+    keeper, done = list_and_read(keeper, store, 60.0)
+    assert done == [] and keeper.view.left() == {"a"}
+
+
+def test_a_forged_lease_of_any_size_keeps_no_dead_node_alive() -> None:
+    """The node dies after its first renewal; a forger rewrites its lease every 10 s with
+    records the same size as a genuine renewal. Each version is read once and rejected, the
+    lease ages from the last genuine renewal and expires."""
+    store, keeper = Store(), Keeper()
+    store.write(Lease(node="a", nonce=NA, counter=1))
+    keeper, _ = list_and_read(keeper, store, 0.0)
+    reads = 0
+    for i, t in enumerate(range(10, 60, 10)):
+        store.write(Lease(node="a", nonce=NA, counter=2 + i), WRONG)
+        keeper, done = list_and_read(keeper, store, float(t))
+        reads += sum(isinstance(e, ReadLease) for e in done)
+        assert any(isinstance(e, Rejected) for e in done)
+        keeper, again = list_and_read(keeper, store, t + 5.0)
+        assert again == [] or all(isinstance(e, Expired) for e in again), "read once"
+    assert reads == 5
+    assert keeper.view.expired("a", now=60.0, lease_timeout=TIMEOUT)
+    assert keeper.expired == {"a"}
+
+
+def test_a_replayed_genuine_lease_is_no_renewal() -> None:
+    """A genuine older record of the same process written back, or one of a process since
+    replaced (a restart), is read, reported as a replay and ages like no change."""
+    store, keeper = Store(), Keeper()
+    store.write(Lease(node="a", nonce=NA, counter=1))
+    keeper, _ = list_and_read(keeper, store, 0.0)
+    store.write(Lease(node="a", nonce=NA, counter=2))
+    keeper, _ = list_and_read(keeper, store, 10.0)
+    store.write(Lease(node="a", nonce=NA, counter=1))  # the old record, replayed
+    keeper, done = list_and_read(keeper, store, 20.0)
+    [rejected] = [e for e in done if isinstance(e, Rejected)]
+    assert "replayed: counter 1, and 2 was seen" in rejected.reason
+    keeper, again = list_and_read(keeper, store, 40.0)
+    assert not any(isinstance(e, ReadLease) for e in again), "a replay is read once"
+    assert keeper.view.expired("a", now=40.0, lease_timeout=TIMEOUT), "no change since 10 s"
+    # A restart is a change; the replaced process's records are replays from then on.
+    store.write(Lease(node="a", nonce=NB, counter=1))
+    keeper, done = list_and_read(keeper, store, 50.0)
+    assert not any(isinstance(e, Rejected) for e in done)
+    assert dict(keeper.known)["a"].nonce == NB and "a" in keeper.view.live(
+        now=50.0, lease_timeout=TIMEOUT
+    )
+    store.write(Lease(node="a", nonce=NA, counter=3))
+    keeper, done = list_and_read(keeper, store, 60.0)
+    assert any(isinstance(e, Rejected) and "since replaced" in e.reason for e in done)
+
+
+def test_without_an_md5_every_change_is_read() -> None:
+    """Stores whose listing gives no MD5 (directories, Azure) cost one GET per renewal."""
+    store, keeper = Store(), Keeper()
+    reads = 0
+    for counter in range(1, 5):
+        store.write(Lease(node="a", nonce=NA, counter=counter), md5=False)
+        keeper, done = list_and_read(keeper, store, 10.0 * counter)
+        reads += sum(isinstance(e, ReadLease) for e in done)
+    assert reads == 4 and dict(keeper.known)["a"].counter == 4
+
+
+def test_the_md5_a_node_is_expected_to_write_is_that_of_its_sealed_record() -> None:
+    lease = Lease(node="a", nonce=NA, counter=7, left=True)
+    blob = seal(to_bytes(lease, KEYRING))
+    assert leases.lease_md5(lease, KEYRING) == hashlib.md5(blob).hexdigest()
+    assert leases.lease_md5(lease, None) != leases.lease_md5(lease, KEYRING)

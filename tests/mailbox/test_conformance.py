@@ -73,3 +73,51 @@ def test_many_racers_on_moto_server(moto_url: str) -> None:
 @pytest.mark.slow
 def test_many_racers_on_directory(tmp_path: Path) -> None:
     check_mailbox(lambda: DirectoryMailbox(tmp_path), large_size=256 * 2**20, racers=64)
+
+
+# Observers recognize a lease renewal from the MD5 a listing gives (core.leases.renewal): the
+# bytes a node writes for a lease must be those the core predicts, and the stores the docs
+# name must list the MD5, or every renewal would silently cost every observer a GET.
+LISTS_MD5 = {"s3": True, "gs": True, "az": False}
+
+
+def test_a_written_lease_lists_the_md5_the_core_predicts(store_url: str) -> None:
+    import asyncio
+
+    from gradientmail._clock import MonotonicClock
+    from gradientmail._node.exchange import Exchange
+    from gradientmail.core.leases import lease_md5
+    from gradientmail.core.records import Lease
+    from gradientmail.core.signing import Keyring
+
+    keyring = Keyring.of(b"the run secret, at least 16 bytes")
+    lease = Lease(node="node-a", nonce="0123456789abcdef", counter=12, left=True)
+
+    async def write_and_list() -> str | None:
+        exchange = Exchange(ObjectStoreMailbox(store_url), MonotonicClock(), keyring=keyring)
+        await exchange.put_lease(lease)
+        return (await exchange.lease_infos())["node-a"].md5
+
+    listed = asyncio.run(write_and_list())
+    if LISTS_MD5[store_url.split(":", 1)[0]]:
+        assert listed == lease_md5(lease, keyring)
+    else:
+        assert listed is None, "an opaque etag is not taken for an MD5"
+
+
+def test_the_memory_mailbox_lists_the_md5_the_core_predicts() -> None:
+    import asyncio
+
+    from gradientmail._clock import MonotonicClock
+    from gradientmail._node.exchange import Exchange
+    from gradientmail.core.leases import lease_md5
+    from gradientmail.core.records import Lease
+
+    lease = Lease(node="node-a", nonce="0123456789abcdef", counter=3)
+
+    async def write_and_list() -> str | None:
+        exchange = Exchange(MemoryMailbox(), MonotonicClock())
+        await exchange.put_lease(lease)
+        return (await exchange.lease_infos())["node-a"].md5
+
+    assert asyncio.run(write_and_list()) == lease_md5(lease, None)

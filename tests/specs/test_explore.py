@@ -32,9 +32,9 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize(
     ("config", "generated", "distinct", "depth"),
     [
-        (Config(nodes=1, rounds=1), 584, 311, 20),
-        (Config(nodes=1, rounds=2), 909, 483, 32),
-        (Config(nodes=1, fragments=2, rounds=3, faults=1), 5724, 2707, 45),
+        (Config(nodes=1, rounds=1), 602, 319, 20),
+        (Config(nodes=1, rounds=2), 937, 496, 32),
+        (Config(nodes=1, fragments=2, rounds=3, faults=1), 5737, 2710, 45),
     ],
     ids=lambda value: value.describe() if isinstance(value, Config) else None,
 )
@@ -270,7 +270,7 @@ def test_a_squatted_commit_key_moves_the_commit_to_the_next_key() -> None:
 def test_the_command_prints_a_trace_or_no_violation(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["explore", "--nodes", "1", "--rounds", "1", "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert "distinct states:  311" in out and "no violation (complete)" in out
+    assert "distinct states:  319" in out and "no violation (complete)" in out
     args = ["explore", "--nodes", "1", "--rounds", "1", "--no-leave", "--bug", "rebase-included"]
     assert main([*args, "--quiet"]) == 1
     out = capsys.readouterr().out
