@@ -208,9 +208,8 @@ class Lease:
     left: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        # "left" is written only when true, so a released lease is 12 bytes longer than a
-        # renewal could make it (counters gain at most a digit per renewal): observers learn
-        # a release from a LIST's sizes without a GET (Decision 8).
+        # "left" is written only when true (the form leases have always had): observers
+        # recognize a renewal or a release from the MD5 of these exact bytes (core.leases).
         found = {"node": self.node, "nonce": self.nonce, "counter": self.counter}
         return found | {"left": True} if self.left else found
 
