@@ -223,10 +223,13 @@ class Exchange:
 
     async def put(self, key: str, data: Data, *, durable: bool = True) -> None:
         """Put ``data`` at ``key``; parts are joined for a mailbox that does not take them."""
-        mailbox: Any = self.mailbox  # a mailbox that takes parts types its data as Data
-        if not self._parts:
-            data = joined(data)
+        mailbox, data = self._for_mailbox(data)
         await self._retry("put", key, lambda: mailbox.put(key, data, durable=durable))
+
+    def _for_mailbox(self, data: Data) -> tuple[Any, Data]:
+        """The mailbox, typed to take ``Data`` where it takes parts, and ``data`` as it takes
+        them: joined into one ``bytes`` for a mailbox that does not."""
+        return self.mailbox, data if self._parts else joined(data)
 
     async def create(self, key: str, data: bytes, *, durable: bool = True) -> bool:
         """Create a payload at ``key``; True when the object there is ours, even if a retry saw
@@ -250,9 +253,7 @@ class Exchange:
         self, key: str, data: Data, *, durable: bool
     ) -> Literal["created", "taken", "ambiguous"]:
         retried = False
-        mailbox: Any = self.mailbox  # a mailbox that takes parts types its data as Data
-        if not self._parts:
-            data = joined(data)
+        mailbox, data = self._for_mailbox(data)
 
         async def attempt() -> bool:
             nonlocal retried

@@ -41,6 +41,7 @@ from gradientmail.core.envelope import payload_digest
 from gradientmail.core.errors import NonFinite, RejectedObject, SchemaMismatch
 from gradientmail.core.records import Commit, Manifest, Snapshot
 from gradientmail.core.tensors import TensorBytes
+from gradientmail.mailboxes._protocol import data_size
 
 __all__ = ["LearnerLoop", "read_commit", "read_params"]
 
@@ -147,7 +148,7 @@ class LearnerLoop(Loop[polling.PollState]):
         # exchange need not remember the payload's bytes as well.
         remembered = payload if self._algorithm.quantization is not None else None
         created = await self._exchange.publish(snapshot, data, self._compression, remembered)
-        self._sent[publish.round] = (job, snapshot, delta, sum(len(part) for part in data))
+        self._sent[publish.round] = (job, snapshot, delta, data_size(data))
         del payload, data, remembered
         release_memory()  # the capture's encoded bytes are spent
         return Uploaded(round=publish.round, created=created)
