@@ -130,12 +130,24 @@ class Checker:
     # -- writes -----------------------------------------------------------------------
 
     def leases_listed(self, inc: Incarnation, versions: dict[str, str]) -> None:
-        """``inc``'s LIST of ``leases/`` executed now and showed ``versions``."""
+        """``inc``'s LIST of ``leases/`` executed now and showed ``versions`` (a lease record
+        as ``nonce.counter.left``, or the listing's version of an object that is none). A
+        renewal is a record ``inc`` has not seen before with a later counter of its process, or
+        of a process not seen before: a replayed record renews nothing (``core.leases``)."""
         for node, version in versions.items():
             times, seen = inc.lease_seen.setdefault(node, ([], []))
-            if not seen or seen[-1] != version:
-                times.append(self.clock.time)
-                seen.append(version)
+            if seen and seen[-1] == version:
+                continue
+            nonce, _, rest = version.partition(".")
+            counter = rest.partition(".")[0]
+            if counter.isdigit() and any(
+                s.partition(".")[0] == nonce and int(s.split(".")[1]) >= int(counter)
+                for s in seen
+                if s.count(".") == 2 and s.split(".")[1].isdigit()
+            ):
+                continue  # an older (or the same) record of a process it has seen
+            times.append(self.clock.time)
+            seen.append(version)
 
     def landed(self, inc: Incarnation, key: str, data: bytes, before: bytes | None) -> None:
         """A write of ``inc`` changed ``key`` (``before``: what it held)."""

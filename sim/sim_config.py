@@ -102,6 +102,8 @@ class SimConfig:
     late_joiners: float = 0.0
     leavers: float = 0.0
     safety: float = 0.6
+    # A writer without the secret that puts back every lease as it was one look earlier.
+    replay_leases: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.nodes < 1 or self.rounds < 1:

@@ -225,6 +225,29 @@ class World:
             for when in self._times(c.pause_rate):
                 self.scheduler.spawn("pause", self._at(when, self._pause_slot, slot), process=world)
         self.scheduler.spawn("heal", self._at(self.heal_at, self._heal), process=world)
+        if c.replay_leases:
+            self.scheduler.spawn("replay-leases", self._replay_leases(), process=world)
+
+    async def _replay_leases(self) -> None:
+        """A writer without the secret: every ``lease_every / 2`` seconds it puts back each
+        lease as it was at its previous look (genuine bytes), for as long as any node may still
+        run: a dead node's last lease again and again, a live node's older renewals between its
+        own. Written to the store directly (no node's requests)."""
+        c = self.config
+        before: dict[str, bytes] = {}
+        while not self.healed or any(
+            (s.current is not None and s.current.alive) or s.restart_pending for s in self.slots
+        ):
+            await self.clock.sleep(c.lease_every / 2)
+            now: dict[str, bytes] = {}
+            for info in await self.oracle.list(keys.LEASES):
+                data = await self.oracle.get(info.key)
+                if data is not None:
+                    now[info.key] = data
+            for key, data in before.items():
+                await self.oracle.put(key, data)
+                self.notes["lease replayed"] = self.notes.get("lease replayed", 0) + 1
+            before = now
 
     def _times(self, rate: float) -> list[float]:
         """Event times in the safety phase for a Poisson process of ``rate`` per 1000 s."""

@@ -134,3 +134,31 @@ def test_f5_a_collected_claim_is_not_won_again() -> None:
         "pause_length": 6.0,
     }
     assert first_found("audit", range(3), **settings) is None
+
+
+def test_replayed_leases_keep_no_dead_node_alive() -> None:
+    """A writer without the secret puts every lease back as it was a moment before: a crashed
+    node's last genuine lease again and again (it never restarts), a live node's older renewals
+    between its own. Observers judge the record (core.leases): the dead stay dead and every
+    round commits in time, the live are never expired early, and the replays are reported.
+    With session 10's judgement (a new version of the same size is a renewal) the same three
+    seeds stall for good: the dead node looks alive, its rounds wait for it, and the run ends
+    at the time limit with liveness violations (measured in session 11)."""
+    settings = {
+        "rounds": 10,
+        "poll_interval": 1.0,
+        "quorum_size": 4,
+        "crash_rate": 20.0,
+        "restart": 0.0,
+        "replay_leases": True,
+    }
+    for seed in range(3):
+        outcome = simulate(SimConfig(seed=seed, **{**BASE, **settings}), keep_trace=True)
+        assert outcome.violations == (), outcome.violations
+        assert outcome.notes.get("lease replayed", 0) > 100, outcome.notes
+        crashed = [what for _, _, what in outcome.trace if "crash" in what]
+        replays = [what for _, _, what in outcome.trace if "replayed: " in what]
+        assert replays, "observers saw and refused replays"
+        if crashed:
+            return  # a seed where a node died and stayed dead under the replays: shown
+    raise AssertionError("no seed crashed a node")
