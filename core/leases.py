@@ -137,14 +137,15 @@ def batch_share(global_batch: int | None, active: int) -> int | None:
 @attrs.frozen(kw_only=True)
 class Known:
     """A lease as this node last judged it: the listing ``version`` it was seen at, and what
-    the record said (``counter``, ``left``, the process ``nonce``); ``retired``: the nonces of
-    the node's earlier processes (their records are replays now)."""
+    the record said (``counter``, ``left``, the process ``nonce``); ``others``: the highest
+    counter judged of each other process of the node seen lately (``nonce, counter``), whose
+    records up to it are replays."""
 
     version: str
     left: bool
     nonce: str
     counter: int
-    retired: tuple[str, ...] = ()
+    others: tuple[tuple[str, int], ...] = ()
 
     @property
     def record(self) -> str:
@@ -157,7 +158,7 @@ RENEWALS_AHEAD = 8
 observer lists every ``lease_every / 2`` seconds, so normally the next one; a paused observer
 reads the lease)."""
 
-RETIRED_KEPT = 4
+OTHERS_KEPT = 4
 
 
 @functools.lru_cache(maxsize=65536)
@@ -182,16 +183,26 @@ def renewal(
 
 
 def judge(node: str, known: Known | None, lease: Lease) -> str | None:
-    """Why a verified ``lease`` read after a listed change is refused (a replay of an older
-    record of the same process, or of a process since replaced), or None: a renewal, a new
-    process, or the record already judged (rewritten by a retry, or read before the listing
-    caught up), which is no change."""
+    """Why a verified ``lease`` read after a listed change is refused: a replay, a record of a
+    process (``nonce``) whose counter is not above the highest judged of that process. None:
+    a renewal, a process not seen lately, or the record already judged (rewritten by a retry,
+    or read before the listing caught up), which is no change. Processes are not ordered (a
+    nonce is random), so a record of a process never seen counts once, whichever it is: a
+    replayed record costs at most one change per record the replayer holds, never a run of
+    them, and a live process's next renewal always counts."""
     if known is None:
         return None
-    if lease.nonce == known.nonce and lease.counter < known.counter:
-        return f"replayed: counter {lease.counter}, and {known.counter} was seen"
-    if lease.nonce in known.retired:
-        return f"replayed: a record of {node}'s process {lease.nonce}, since replaced"
+    if lease.nonce == known.nonce:
+        highest = known.counter
+        if lease.counter < highest:
+            return f"replayed: counter {lease.counter}, and {highest} was seen"
+        return None
+    highest_other = dict(known.others).get(lease.nonce)
+    if highest_other is not None and lease.counter <= highest_other:
+        return (
+            f"replayed: counter {lease.counter} of {node}'s process {lease.nonce}, and "
+            f"{highest_other} was seen"
+        )
     return None
 
 
@@ -308,16 +319,31 @@ def read(
         rejected[result.node] = version
         keeper = attrs.evolve(keeper, rejected=tuple(sorted(rejected.items())))
         effects.append(Rejected(key=keys.lease(result.node), reason=reason))
+    elif (
+        lease is not None
+        and lease.node == result.node
+        and was is not None
+        and (lease.nonce, lease.counter) == (was.nonce, was.counter)
+    ):
+        # The record already judged, under a new listing version: no change.
+        known = dict(keeper.known)
+        known[result.node] = attrs.evolve(was, version=version)
+        listing = dict(keeper.listing or ())
+        listing[result.node] = (was.record, was.left, was.nonce)
+        keeper = attrs.evolve(
+            keeper, known=tuple(sorted(known.items())), listing=tuple(sorted(listing.items()))
+        )
     elif lease is not None and lease.node == result.node:
-        retired = was.retired if was is not None else ()
+        others = dict(was.others) if was is not None else {}
         if was is not None and was.nonce != lease.nonce:
-            retired = (*retired, was.nonce)[-RETIRED_KEPT:]
+            others.pop(lease.nonce, None)
+            others[was.nonce] = max(was.counter, others.get(was.nonce, was.counter))
         now_known = Known(
             version=version,
             left=lease.left,
             nonce=lease.nonce,
             counter=lease.counter,
-            retired=retired,
+            others=tuple(others.items())[-OTHERS_KEPT:],
         )
         known = dict(keeper.known)
         known[result.node] = now_known

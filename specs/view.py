@@ -185,7 +185,7 @@ def _keeper(coder: _Coder, keeper: Keeper) -> Any:
                 coder.lag(n, f"{k.nonce}.{k.counter}"),
                 k.left,
                 k.nonce,
-                k.retired,
+                tuple(nonce for nonce, _ in k.others),
             )
             for n, k in keeper.known
         ),

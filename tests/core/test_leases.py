@@ -276,9 +276,38 @@ def test_a_replayed_genuine_lease_is_no_renewal() -> None:
     assert dict(keeper.known)["a"].nonce == NB and "a" in keeper.view.live(
         now=50.0, lease_timeout=TIMEOUT
     )
-    store.write(Lease(node="a", nonce=NA, counter=3))
+    store.write(Lease(node="a", nonce=NA, counter=2))  # the old process's last, replayed
     keeper, done = list_and_read(keeper, store, 60.0)
-    assert any(isinstance(e, Rejected) and "since replaced" in e.reason for e in done)
+    assert any(isinstance(e, Rejected) and f"{NA}, and 2 was seen" in e.reason for e in done)
+    # The live process's renewals keep counting whatever is replayed between them.
+    store.write(Lease(node="a", nonce=NB, counter=2))
+    keeper, done = list_and_read(keeper, store, 70.0)
+    assert not any(isinstance(e, Rejected) for e in done)
+    assert keeper.view.by_node["a"].changed_at == 70.0
+
+
+def test_a_replayed_record_of_a_process_never_seen_counts_once_and_no_more() -> None:
+    """Processes are not ordered: an observer that never saw a node's earlier process takes
+    its replayed record for a change once; the same record again is a replay, and the live
+    process's next renewal counts (a replayer cannot make a live node look replaced for good,
+    as the simulator's swarm found with a first version of this rule)."""
+    store, keeper = Store(), Keeper()
+    store.write(Lease(node="a", nonce=NB, counter=4))  # the live process
+    keeper, _ = list_and_read(keeper, store, 0.0)
+    store.write(Lease(node="a", nonce=NA, counter=9))  # a dead process's lease, replayed
+    keeper, done = list_and_read(keeper, store, 1.0)
+    assert not any(isinstance(e, Rejected) for e in done)
+    store.write(Lease(node="a", nonce=NB, counter=5))
+    keeper, done = list_and_read(keeper, store, 2.0)
+    assert not any(isinstance(e, Rejected) for e in done)
+    for t in (3.0, 5.0):
+        store.write(Lease(node="a", nonce=NA, counter=9))
+        keeper, done = list_and_read(keeper, store, t)
+        assert any(isinstance(e, Rejected) and "and 9 was seen" in e.reason for e in done)
+        store.write(Lease(node="a", nonce=NB, counter=int(t) + 3))
+        keeper, done = list_and_read(keeper, store, t + 1)
+        assert not any(isinstance(e, Rejected) for e in done), t
+        assert keeper.view.by_node["a"].changed_at == t + 1
 
 
 def test_without_an_md5_every_change_is_read() -> None:
