@@ -14,8 +14,8 @@ A change counts only when the record says so: a later ``counter`` of the same pr
 (``nonce``), or a process not seen before. A listed change whose MD5 (the etag S3 and GCS list)
 is that of one of the next genuine renewals this observer expects (``renewal``: the exact bytes
 the node writes, signed in a signed run) counts without a GET; any other change is read, and a
-forgery, an older record of the same process or a record of a process that was replaced is
-reported and never read again, so it cannot keep a dead node alive.
+forgery, or a record whose counter is not above the highest judged of its process, is reported
+and never read again, so it cannot keep a dead node alive.
 """
 
 from __future__ import annotations
