@@ -352,10 +352,7 @@ class Exchange:
             if isinstance(found, Commit) or found is None:
                 return found
             slot = slots.next_slot(slot, "refused")
-        raise FormatError(
-            "every commit key of the round holds an object that does not verify",
-            key=keys.commit(r, keys.MAX_SLOT),
-        )
+        raise _every_key_squatted(r)
 
     async def commit_at(self, r: int, slot: int, *, verify: bool = True) -> Commit | None:
         """The record at round ``r``'s commit key ``slot`` (None when absent); ``FormatError``
@@ -399,10 +396,7 @@ class Exchange:
             if not isinstance(await self._judged_commit(r, slot, verify=True), FormatError):
                 return created
             slot = slots.next_slot(slot, "refused")
-        raise FormatError(
-            "every commit key of the round holds an object that does not verify",
-            key=keys.commit(r, keys.MAX_SLOT),
-        )
+        raise _every_key_squatted(r)
 
     async def claims(self, r: int) -> list[Claim]:
         """The valid claims of round ``r``; corrupt, oversized, forged or misplaced ones are
@@ -683,3 +677,10 @@ class Exchange:
         # Not durable (docs/decisions.md, "What must survive a crash"): a hint, and an
         # unreadable one is ignored.
         await self.put(keys.head(fragment), str(r).encode("ascii"), durable=False)
+
+
+def _every_key_squatted(r: int) -> FormatError:
+    return FormatError(
+        "every commit key of the round holds an object that does not verify",
+        key=keys.commit(r, keys.MAX_SLOT),
+    )

@@ -103,15 +103,18 @@ def test_f1_a_lease_missing_from_one_listing_does_not_expire_it() -> None:
         assert outcome.violations == (), outcome.violations
 
 
+# Nodes that crash and never restart, polling slowly: F2's runs, and the lease replayer's.
+DEAD_FOR_GOOD: dict[str, Any] = {
+    "rounds": 10,
+    "poll_interval": 1.0,
+    "quorum_size": 4,
+    "crash_rate": 20.0,
+    "restart": 0.0,
+}
+
+
 def test_f2_a_dead_node_expires_however_slowly_its_observers_poll() -> None:
-    settings = {
-        "rounds": 10,
-        "poll_interval": 1.0,
-        "quorum_size": 4,
-        "crash_rate": 20.0,
-        "restart": 0.0,
-    }
-    assert first_found("liveness", range(3), **settings) is None
+    assert first_found("liveness", range(3), **DEAD_FOR_GOOD) is None
 
 
 def test_f4_a_stalled_closer_survives_its_inputs_being_collected() -> None:
@@ -144,14 +147,7 @@ def test_replayed_leases_keep_no_dead_node_alive() -> None:
     With session 10's judgement (a new version of the same size is a renewal) the same three
     seeds stall for good: the dead node looks alive, its rounds wait for it, and the run ends
     at the time limit with liveness violations (measured in session 11)."""
-    settings = {
-        "rounds": 10,
-        "poll_interval": 1.0,
-        "quorum_size": 4,
-        "crash_rate": 20.0,
-        "restart": 0.0,
-        "replay_leases": True,
-    }
+    settings = {**DEAD_FOR_GOOD, "replay_leases": True}
     for seed in range(3):
         outcome = simulate(SimConfig(seed=seed, **{**BASE, **settings}), keep_trace=True)
         assert outcome.violations == (), outcome.violations
