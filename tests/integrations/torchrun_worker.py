@@ -1,8 +1,9 @@
 """One rank of a node made of a ``torchrun`` group (gloo on CPU): a small regression model in
-``DistributedDataParallel``, its ``GroupSession`` on the run; writes its final parameters.
+``DistributedDataParallel`` or sharded by FSDP2's ``fully_shard`` (``--fsdp``), its
+``GroupSession`` on the run; writes its final parameters (with ``--fsdp``, its shards).
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 torchrun_worker.py \\
-        URL NODE OUT --steps 40 --nodes 2 [--die-at STEP]
+        URL NODE OUT --steps 40 --nodes 2 [--die-at STEP] [--fsdp]
 """
 
 from __future__ import annotations
@@ -38,6 +39,28 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 
 
+def local_shards(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's shard of each parameter of a ``fully_shard`` model (copies)."""
+    return {name: p.to_local().detach().clone() for name, p in model.named_parameters()}
+
+
+def shard_digest(shards: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(shards.items()):
+        h.update(f"{name}{tuple(t.shape)}".encode())
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def digest_full(model: torch.nn.Module) -> str:
+    """The whole model's digest, each parameter gathered (a test's check, not the library's)."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        h.update(name.encode())
+        h.update(p.full_tensor().detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("url")
@@ -46,6 +69,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--die-at", type=int, default=-1, help="rank 1 exits at this step")
+    parser.add_argument("--fsdp", action="store_true", help="shard the model with fully_shard")
     parser.add_argument(
         "--bad-samples-at", type=int, default=-1, help="rank 1 passes samples=-1 at this step"
     )
@@ -54,7 +78,15 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = make_model()
-    ddp = DistributedDataParallel(model)
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        ddp = fully_shard(model)
+    else:
+        ddp = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=0.02)
     generator = torch.Generator().manual_seed(hash((args.node, rank)) % 2**31)
     target = torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
@@ -76,9 +108,12 @@ def main() -> None:
     result = {
         "node": args.node,
         "rank": rank,
-        "params": digest(model),
+        "params": shard_digest(local_shards(model)) if args.fsdp else digest(model),
         "rounds": session.rounds_seen,
     }
+    if args.fsdp:
+        torch.save(local_shards(model), Path(args.out, f"{args.node}-rank{rank}.pt"))
+        result["full"] = digest_full(model)
     Path(args.out, f"{args.node}-rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
