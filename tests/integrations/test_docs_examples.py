@@ -91,39 +91,12 @@ _os._exit(0)
 """
 
 
-def test_the_torchrun_example(tmp_path: Path) -> None:
+def torchrun_example(marker: str, tmp_path: Path) -> None:
+    """Run the doc's block holding ``marker`` as a script under ``torchrun`` (2 ranks), its
+    mailbox URL pointed at ``tmp_path / "run"``."""
     import subprocess
 
-    code, url = block("DDP(MODEL)")
-    script = tmp_path / "train.py"
-    script.write_text(
-        TORCHRUN_PRELUDE + code.replace(url, (tmp_path / "run").as_uri()) + TORCHRUN_EPILOGUE
-    )
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    done = subprocess.run(
-        [*command, "--nproc-per-node", "2", str(script)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    fresh = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    assert align(fresh, mailbox=mailbox_from_url((tmp_path / "run").as_uri())) >= 3
-    saved = torch.load(tmp_path / "final.pt")
-    for name, value in fresh.state_dict().items():
-        assert torch.equal(saved[name], value), name
-
-
-def test_the_fsdp2_example(tmp_path: Path) -> None:
-    import subprocess
-
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    from gradientmail.integrations.torchrun import shard_module, shard_url
-
-    code, url = block("fully_shard(model)")
+    code, url = block(marker)
     script = tmp_path / "train.py"
     run_url = (tmp_path / "run").as_uri()
     script.write_text(TORCHRUN_PRELUDE + code.replace(url, run_url) + TORCHRUN_EPILOGUE)
@@ -137,6 +110,24 @@ def test_the_fsdp2_example(tmp_path: Path) -> None:
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+
+def test_the_torchrun_example(tmp_path: Path) -> None:
+    torchrun_example("DDP(MODEL)", tmp_path)
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    assert align(fresh, mailbox=mailbox_from_url((tmp_path / "run").as_uri())) >= 3
+    saved = torch.load(tmp_path / "final.pt")
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(saved[name], value), name
+
+
+def test_the_fsdp2_example(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from gradientmail.integrations.torchrun import shard_module, shard_url
+
+    torchrun_example("fully_shard(model)", tmp_path)
+    run_url = (tmp_path / "run").as_uri()
     # The whole model from both shards' runs: rank i holds rows [8i, 8i+8) of the first layer
     # and the last layer's single row lives on rank 0 (FSDP2 shards dim 0, padded at the end).
     whole = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
