@@ -10,9 +10,13 @@ closes as soon as everyone is in; a straggler costs at most ``grace``; a newcome
 for until it has reported once; and no cycle of waiting nodes can stall the run, since the grace
 timer always runs out.
 
-Closer. Attempt ``a``'s candidates are the round's reporters rotated by a stable hash of ``r``
-plus ``a``, live ones that have not left first, then live ones that have (a leaving node still
-closes its own rounds when nobody else can). Candidate ``i`` may claim ``claims/<a>`` once the
+Closer. Attempt ``a``'s candidates are the round's reporters ordered by a stable hash of ``r``
+and each node (``rank``) and turned by ``a``, live ones that have not left first, then live
+ones that have (a leaving node still closes its own rounds when nobody else can). A node's
+rank does not depend on who else reported, so each reporter predicts the closer from the nodes
+the round expects, and only that one and the next read the round's view at every poll
+(``attentive``; Decision 8); the others read it only once it has stayed open ``takeover``
+seconds. Candidate ``i`` may claim ``claims/<a>`` once the
 attempt has been open for ``i * takeover`` seconds: the first at once, the others only if it
 stays silent. Attempt ``a+1`` opens when attempt ``a``'s claimant is seen expired, or
 ``takeover * 2**a`` seconds after its claim was first seen without a commit (Decision 2).
@@ -103,12 +107,14 @@ __all__ = [
     "RoundView",
     "RoundWatch",
     "Wait",
+    "attentive",
     "decide",
     "designated",
+    "expected",
     "include",
     "outer_sum",
     "outer_weights",
-    "rotation_seed",
+    "rank",
     "step",
     "writes_head",
 ]
@@ -168,25 +174,28 @@ class Done:
 Decision = ClaimRound | Wait | Done
 
 
-def rotation_seed(r: int) -> int:
-    """A stable hash of the round (blake2b, never Python's salted ``hash``)."""
-    return int.from_bytes(hashlib.blake2b(str(r).encode(), digest_size=8).digest(), "big")
+def rank(r: int, node: str) -> int:
+    """Where ``node`` stands among round ``r``'s candidate closers: a stable hash of both
+    (blake2b, never Python's salted ``hash``), lowest first."""
+    digest = hashlib.blake2b(f"{r}/{node}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
 
 
 def designated(
     reporters: Sequence[str], r: int, attempt: int, leases: Leases, *, now: float, timeout: float
 ) -> tuple[str, ...]:
-    """Attempt ``attempt``'s candidate closers of round ``r``, in order."""
-    ordered = sorted(reporters)
+    """Attempt ``attempt``'s candidate closers of round ``r``, in order: the reporters by
+    ``rank`` (a node's place does not depend on who else reported, so a node can predict the
+    closer from the nodes the round expects: Decision 8), live ones that have not left first,
+    then live ones that have, each list turned by the attempt."""
+    ordered = sorted(reporters, key=lambda node: (rank(r, node), node))
     if not ordered:
         return ()
-    start = rotation_seed(r) % len(ordered)
-    rotated = ordered[start:] + ordered[:start]
     live = leases.live(now=now, lease_timeout=timeout)
     left = leases.left()
-    staying = [n for n in rotated if n in live and n not in left]
-    leaving = [n for n in rotated if n in live and n in left]
-    # Attempt a is led by the a-th live node of the rotation (Decision 2).
+    staying = [n for n in ordered if n in live and n not in left]
+    leaving = [n for n in ordered if n in live and n in left]
+    # Attempt a is led by the a-th live node of the order (Decision 2).
     return tuple(_rotate(staying, attempt) + _rotate(leaving, attempt))
 
 
@@ -242,6 +251,62 @@ def decide(
     )
 
 
+def expected(
+    previous_reporters: Sequence[str] | None,
+    peers: Sequence[str],
+    leases: Leases,
+    *,
+    now: float,
+    lease_timeout: float,
+) -> frozenset[str]:
+    """The nodes round closing waits for: the active ones that reported in the fragment's
+    previous round, or for a fragment's first round every active node and every node seen
+    reporting that the lease view does not list yet."""
+    active = leases.active(now=now, lease_timeout=lease_timeout)
+    if previous_reporters is None:
+        return active | (set(peers) - set(leases.by_node))
+    return active & frozenset(previous_reporters)
+
+
+def attentive(state: RoundState, ctx: Context, *, now: float) -> float | None:
+    """None when this node reads round ``state.round``'s view every poll (Decision 8), else
+    when it will (node's clock: ``takeover`` seconds after it first left the round). It reads
+    every poll when it is
+    the closer it predicts (attempt 0's first candidate among the nodes the round expects,
+    itself included), or the next candidate until it sees that one's snapshot; when it cannot
+    predict one (the fragment's previous commit is unknown to it); while it closes; and once
+    the round has stayed open ``takeover`` seconds since it left it to that closer (a
+    takeover candidate past its timeout). Any other reporter leaves the round to that closer
+    and learns of the commit from the learner's poll, so a healthy round costs one or two
+    nodes their LISTs, not every node."""
+    if state.closing is not None or state.stale or state.watch.open_since is not None:
+        return None
+    late = (now if state.since is None else state.since) + ctx.takeover
+    if now >= late:
+        return None
+    r = state.round
+    previous = previous_round(ctx.algorithm, r)
+    if previous < 0:
+        before: tuple[str, ...] | None = None
+    else:
+        commit = ctx.commits.get(previous)
+        if commit is None:
+            return None
+        before = tuple(i.node for i in commit.included)
+    waited = expected(
+        before, sorted(ctx.peers), ctx.leases, now=now, lease_timeout=ctx.lease_timeout
+    )
+    reporters = sorted(waited | {ctx.me})
+    candidates = designated(reporters, r, 0, ctx.leases, now=now, timeout=ctx.lease_timeout)
+    if not candidates or candidates[0] == ctx.me:
+        return None
+    # The understudy: the closer should that one not report (a node's rank does not depend on
+    # the others'), so it reads the round until it sees the predicted closer's snapshot.
+    if candidates[1:2] == (ctx.me,) and candidates[0] not in (state.reporters or ()):
+        return None
+    return late
+
+
 def _closable(
     view: RoundView,
     watch: RoundWatch,
@@ -253,20 +318,18 @@ def _closable(
     reporters = set(view.reporters)
     if not reporters:
         return watch, Wait(until=None, reason=f"round {view.round} has no snapshot yet")
-    active = leases.active(now=now, lease_timeout=lease_timeout)
-    if view.previous_reporters is None:
-        # A fragment's first round: every active node, and every node seen reporting that the
-        # lease view has not caught up with (its lease LIST is older than that node's join).
-        expected = active | (set(view.peers) - set(leases.by_node))
-    else:
-        expected = active & set(view.previous_reporters)
-    if not expected <= reporters:
+    # A fragment's first round expects every active node, and every node seen reporting that
+    # the lease view has not caught up with (its lease LIST is older than that node's join).
+    waited = expected(
+        view.previous_reporters, view.peers, leases, now=now, lease_timeout=lease_timeout
+    )
+    if not waited <= reporters:
         if len(reporters) < algorithm.quorum_size:
             return watch, Wait(
                 until=None,
                 reason=(
                     f"round {view.round}: {len(reporters)} of quorum {algorithm.quorum_size}, "
-                    f"waiting for {sorted(expected - reporters)}"
+                    f"waiting for {sorted(waited - reporters)}"
                 ),
             )
         if watch.quorum_since is None:
@@ -276,7 +339,7 @@ def _closable(
         if now < deadline:
             return watch, Wait(
                 until=deadline,
-                reason=f"round {view.round}: grace for {sorted(expected - reporters)}",
+                reason=f"round {view.round}: grace for {sorted(waited - reporters)}",
             )
     if watch.open_since is None:
         watch = attrs.evolve(watch, open_since=now)
@@ -450,7 +513,9 @@ class RoundState:
     on a view read then, so its candidates agree on who closes it); at once when ``poked`` (a
     bell: this node's snapshot is out). ``stale``: it must be read again before the rules
     decide on it (a close of this node's ended without a commit); ``listing``: LISTs in
-    flight."""
+    flight. ``since``: when this node first left the round to the closer it predicts;
+    ``attentive``: whether it reads the round's view every poll (``attentive``), or leaves
+    that to that closer until ``takeover`` seconds after ``since`` (Decision 8)."""
 
     round: int
     watch: RoundWatch
@@ -462,6 +527,8 @@ class RoundState:
     listing: int = 0
     closing: Closing | None = None
     committed: bool = False
+    since: float | None = None
+    attentive: bool = True
 
     @classmethod
     def new(cls, r: int) -> RoundState:
@@ -492,6 +559,19 @@ def step(state: RoundState, results: Sequence[Result], ctx: Context, *, now: flo
         return state, effects, None, f"round {state.round}: reading its view"
     if state.committed:
         return state, effects, None, f"round {state.round} is committed"
+    late = ctx.rules.attentive(state, ctx, now=now)
+    attentive = late is None
+    if attentive != state.attentive:
+        # A node that begins to read the round reads it at once.
+        state = attrs.evolve(state, attentive=attentive, poked=attentive or state.poked)
+    if late is not None:
+        # Another node is the closer this node predicts: the learner's commit poll will show
+        # the commit, and the round's view is read only if it is still open at ``late``
+        # (Decision 8: only the designated closer and late candidates LIST).
+        if state.since is None:
+            state = attrs.evolve(state, since=now)
+        state = attrs.evolve(state, poked=False, due=max(state.due, late))
+        return state, effects, late, f"round {state.round}: left to the closer it predicts"
     refresh = state.due
     if state.poked or now >= refresh:
         return _list(state, effects)

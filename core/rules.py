@@ -41,6 +41,7 @@ class Rules:
 
     name: str = "real"
     decide: Callable[..., Any] = closing.decide
+    attentive: Callable[..., float | None] = closing.attentive
     ours: Callable[..., bool] = identity.ours
     on_commit: Callable[..., Any] = learner.on_commit
     counted: Callable[..., frozenset[tuple[str, str]]] = counted_on_skip

@@ -7,8 +7,9 @@ node published to, ``Seen`` a commit, ``Leave``, ``Stop``) and returns the next 
 effects to carry out and why. Requests (Decision 8): one LIST of ``leases/`` every
 ``lease_every / 2`` seconds and a GET only for a lease that changed beyond a renewal
 (``leases``); for each round this node published to, one LIST of its snapshots per poll, and
-of its claims too once it may close (``closing``); commits are learned from the learner's
-polls (``Seen``), never polled twice. At most one close runs at a
+of its claims too once it may close, only while it is ``attentive`` (``closing``: the closer it
+predicts or the next candidate, or ``takeover`` seconds on); commits are learned from the
+learner's polls (``Seen``), never polled twice. At most one close runs at a
 time, so a closer holds one fragment's deltas and outer state at once (Decision 16).
 """
 

@@ -137,11 +137,17 @@ class World:
 
     def _bound(self) -> float:
         """Seconds within which a round must commit once faults are healed: enough to expire
-        every dead closer in turn, take over twice, wait out grace and the slowest slot."""
+        every dead closer in turn, take over twice, wait out grace and the slowest slot, for a
+        reporter to wait ``takeover`` before it reads a round it left to the closer it predicts
+        (Decision 8: when that closer and the next are gone), and for the other reporters to
+        publish at all: a round is timed from its first snapshot, and the others may be held
+        at the overlap bound until the previous round's close, itself up to a hundred
+        requests' latency (a close under pareto latency took 35 s at a 0.3 s mean)."""
         c = self.config
         slot_time = c.slot_steps * c.step_time * math.exp(3 * c.speed_spread) * 1.25
         lease = c.lease_timeout + c.lease_every + 2 * c.poll_interval
-        return 4 * lease + 3 * self.takeover + c.grace + 4 * slot_time + 100 * c.latency_mean + 10
+        closes = 2 * 100 * c.latency_mean
+        return 4 * lease + 4 * self.takeover + c.grace + 4 * slot_time + closes + 10
 
     def _start(self, slot: Slot) -> None:
         c = self.config

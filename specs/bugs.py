@@ -14,8 +14,9 @@ caught by all three, on the property it breaks (``BROKEN``).
   rebases the snapshot the round counted.
 - ``no-takeover``: no later attempt is ever opened: a closer that dies after its claim leaves
   the round open forever (a liveness bug).
-- ``takeover-now``: takeover without waiting (Decision 2's timeout disabled): every candidate
-  claims at once; safety rests on create-only commits, so it shows as wasted, racing claims.
+- ``takeover-now``: takeover without waiting (Decision 2's timeouts disabled): every reporter
+  reads the round at once and every candidate claims at once; safety rests on create-only
+  commits, so it shows as wasted, racing claims.
 - ``skip-forgets``: a real bug the random walk found: a reader that skips commits whose
   parameters were collected judges its snapshot by the newest commit alone, rebasing progress
   an earlier, skipped commit counted.
@@ -76,6 +77,12 @@ def _takeover_now(*args: Any, **kwargs: Any) -> tuple[closing.RoundWatch, closin
     return closing.decide(*args, **{**kwargs, "takeover": 0.0})
 
 
+def _attentive_now(state: closing.RoundState, ctx: closing.Context, *, now: float) -> float | None:
+    # The same timeout disabled where a reporter waits before reading a round it leaves to
+    # the closer it predicts: every reporter reads and decides at once.
+    return closing.attentive(state, attrs.evolve(ctx, takeover=0.0), now=now)
+
+
 def _skip_forgets(
     counted: frozenset[tuple[str, str]], skipped: Commit, newest: Commit
 ) -> frozenset[tuple[str, str]]:
@@ -104,7 +111,9 @@ BUGS: dict[str, Rules] = {
     "rebase-included": attrs.evolve(RULES, name="rebase-included", on_commit=_rebase_included),
     "no-readback": attrs.evolve(RULES, name="no-readback", ours=_no_readback),
     "no-takeover": attrs.evolve(RULES, name="no-takeover", decide=_no_takeover),
-    "takeover-now": attrs.evolve(RULES, name="takeover-now", decide=_takeover_now),
+    "takeover-now": attrs.evolve(
+        RULES, name="takeover-now", decide=_takeover_now, attentive=_attentive_now
+    ),
     "skip-forgets": attrs.evolve(RULES, name="skip-forgets", counted=_skip_forgets),
     "gc-too-early": attrs.evolve(RULES, name="gc-too-early", collectable=_gc_too_early),
     "chain-skips": attrs.evolve(RULES, name="chain-skips", walk=_chain_skips),

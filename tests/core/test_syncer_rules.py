@@ -184,11 +184,11 @@ def test_grace_runs_out_when_the_quorum_was_first_seen_at_time_zero() -> None:
     assert isinstance(decision, ClaimRound)
 
 
-def test_rotation_seed_is_a_stable_blake2b_of_the_round() -> None:
-    for r in (0, 1, 12345, 10**19):
-        digest = hashlib.blake2b(str(r).encode(), digest_size=8).digest()
-        assert rules.rotation_seed(r) == int.from_bytes(digest, "big")
-    assert rules.rotation_seed(0) == 9523843951405948789
+def test_rank_is_a_stable_blake2b_of_the_round_and_node() -> None:
+    for r, node in ((0, "a"), (1, "n001"), (12345, "x"), (10**19, "host-12")):
+        digest = hashlib.blake2b(f"{r}/{node}".encode(), digest_size=8).digest()
+        assert rules.rank(r, node) == int.from_bytes(digest, "big")
+    assert rules.rank(0, "a") == 13225716355254514689
 
 
 @given(
@@ -197,15 +197,15 @@ def test_rotation_seed_is_a_stable_blake2b_of_the_round() -> None:
     st.integers(0, 20),
     st.randoms(use_true_random=False),
 )
-def test_designated_rotates_the_sorted_reporters_by_seed_plus_attempt(
+def test_designated_orders_the_reporters_by_rank_turned_by_the_attempt(
     reporters: list[str],
     r: int,
     attempt: int,
     rng: random.Random,
 ) -> None:
     ls = leases(reporters)
-    ordered = sorted(reporters)
-    start = (rules.rotation_seed(r) + attempt) % len(ordered)
+    ordered = sorted(reporters, key=lambda n: rules.rank(r, n))
+    start = attempt % len(ordered)
     expected = tuple(ordered[start:] + ordered[:start])
     shuffled = list(reporters)
     rng.shuffle(shuffled)
@@ -213,6 +213,11 @@ def test_designated_rotates_the_sorted_reporters_by_seed_plus_attempt(
     assert got == expected
     following = rules.designated(reporters, r, attempt + 1, ls, now=T0, timeout=TIMEOUT)
     assert following == got[1:] + got[:1]
+    # A node's place does not depend on who else reported: leaving one out keeps the order.
+    for gone in reporters:
+        rest = [n for n in reporters if n != gone]
+        order = rules.designated(rest, r, 0, leases(rest), now=T0, timeout=TIMEOUT)
+        assert order == tuple(n for n in ordered if n != gone)
 
 
 def test_designated_skips_expired_nodes_and_puts_left_nodes_last() -> None:
@@ -230,8 +235,7 @@ def test_designated_ignores_reporters_with_no_lease_and_handles_no_reporters() -
 
 def test_consecutive_attempts_designate_different_live_nodes() -> None:
     reporters = ["a", "b", "c"]
-    seed = rules.rotation_seed(0) % 3
-    rotation = reporters[seed:] + reporters[:seed]
+    rotation = sorted(reporters, key=lambda n: rules.rank(0, n))
     ls = leases(rotation[1:], expired=rotation[:1])
     firsts = [rules.designated(reporters, 0, a, ls, now=T0, timeout=TIMEOUT)[0] for a in (0, 1)]
     assert firsts == [rotation[1], rotation[2]]
