@@ -146,15 +146,21 @@ class RoundView:
 
 @attrs.frozen(kw_only=True)
 class RoundWatch:
-    """A node's timers for one round, on its own clock (seconds)."""
+    """A node's timers for one round, on its own clock (seconds): since when it has seen a
+    quorum, the round open, each attempt's claim (``claim_seen``), and each attempt's claimant
+    expired (``expired_seen``)."""
 
     round: int
     quorum_since: float | None = None
     open_since: float | None = None
     claim_seen: tuple[tuple[int, float], ...] = ()
+    expired_seen: tuple[tuple[int, float], ...] = ()
 
     def seen(self, attempt: int) -> float | None:
         return dict(self.claim_seen).get(attempt)
+
+    def expired(self, attempt: int) -> float | None:
+        return dict(self.expired_seen).get(attempt)
 
 
 @attrs.frozen(kw_only=True)
@@ -229,6 +235,12 @@ def decide(
     for claim in view.claims:
         if watch.seen(claim.attempt) is None:
             watch = attrs.evolve(watch, claim_seen=(*watch.claim_seen, (claim.attempt, now)))
+    if view.claims:
+        last = max(view.claims, key=lambda c: c.attempt)
+        if watch.expired(last.attempt) is None and leases.expired(
+            last.node, now=now, lease_timeout=lease_timeout
+        ):
+            watch = attrs.evolve(watch, expired_seen=(*watch.expired_seen, (last.attempt, now)))
     attempt, opened = _open_attempt(view, watch, leases, now, lease_timeout, takeover)
     if isinstance(opened, Wait):
         return watch, opened
@@ -360,11 +372,13 @@ def _open_attempt(
     last = max(view.claims, key=lambda c: c.attempt)
     seen = watch.seen(last.attempt)
     seen = now if seen is None else seen
-    if leases.expired(last.node, now=now, lease_timeout=lease_timeout):
-        # A fixed opening time, so the fallback candidates' turns (i * takeover later) arrive.
-        observed = leases.by_node.get(last.node)
-        expired_at = observed.changed_at + lease_timeout if observed is not None else seen
-        return last.attempt + 1, max(seen, expired_at)
+    expired = watch.expired(last.attempt)
+    if expired is not None and leases.expired(last.node, now=now, lease_timeout=lease_timeout):
+        # A fixed opening time, so the fallback candidates' turns (i * takeover later) arrive:
+        # when this node first judged the claimant expired (or saw the claim, if later). Not
+        # the lease's own age: a time of this node's, so what the view keeps of a lease's
+        # age stops mattering once it is past ``lease_timeout`` (specs/README.md).
+        return last.attempt + 1, max(seen, expired)
     deadline = seen + takeover * 2**last.attempt
     if now >= deadline:
         return last.attempt + 1, deadline

@@ -62,6 +62,7 @@ __all__ = [
     "Expired",
     "Fail",
     "Forget",
+    "Gather",
     "HeadRead",
     "InitWritten",
     "LeaseRead",
@@ -670,6 +671,12 @@ class InitWritten:
 
 
 @attrs.frozen(kw_only=True)
+class Gather:
+    """Message to the syncer: the node waits to see the run's nodes before it trains (list the
+    leases at the quick cadence until it publishes)."""
+
+
+@attrs.frozen(kw_only=True)
 class Leave:
     """Message: the node is leaving (release the lease now, close its rounds, then stop)."""
 
@@ -702,6 +709,7 @@ Result = (
     | RoundListed
     | ManifestRead
     | InitWritten
+    | Gather
     | Leave
     | Stop
     | Close

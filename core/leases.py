@@ -153,10 +153,12 @@ class Known:
         return f"{self.nonce}.{self.counter}"
 
 
-RENEWALS_AHEAD = 8
-"""How many renewals past the last one judged an observer recognizes from a listed MD5 (an
-observer lists every ``lease_every / 2`` seconds, so normally the next one; a paused observer
-reads the lease)."""
+RENEWALS_AHEAD = 64
+"""How many renewals past the last one judged an observer recognizes from a listed MD5 by
+default (``listed(ahead=)``): an observer attentive to a round lists every ``lease_every / 2``
+seconds, so normally the next one, but an idle one lists only when it becomes attentive, up
+to ``64 * lease_every`` later without a GET per lease; one that listed longer ago, or was
+paused that long, reads the lease. Each renewal recognized costs two MD5s, cached."""
 
 OTHERS_KEPT = 4
 
@@ -168,13 +170,17 @@ def lease_md5(lease: Lease, keyring: Keyring | None) -> str:
 
 
 def renewal(
-    node: str, known: Known, md5: str | None, keyring: Keyring | None
+    node: str,
+    known: Known,
+    md5: str | None,
+    keyring: Keyring | None,
+    ahead: int = RENEWALS_AHEAD,
 ) -> tuple[int, bool] | None:
     """``(counter, left)`` of the genuine renewal of ``known`` whose object has this ``md5``
-    (one of the next ``RENEWALS_AHEAD``, left or not), or None: the change must be read."""
+    (one of the next ``ahead``, left or not), or None: the change must be read."""
     if md5 is None:
         return None
-    for counter in range(known.counter + 1, known.counter + 1 + RENEWALS_AHEAD):
+    for counter in range(known.counter + 1, known.counter + 1 + ahead):
         for left in (False, True):
             lease = Lease(node=node, nonce=known.nonce, counter=counter, left=left)
             if lease_md5(lease, keyring) == md5:
@@ -209,15 +215,17 @@ def judge(node: str, known: Known | None, lease: Lease) -> str | None:
 @attrs.frozen(kw_only=True)
 class Keeper:
     """A node's side of the leases: renewing its own every ``lease_every`` seconds, and its
-    view of everyone's from a LIST of ``leases/`` every ``lease_every / 2`` seconds.
+    view of everyone's from a LIST of ``leases/`` at the cadence its syncer sets (``watch``).
 
     ``known`` is what each lease said when last judged, ``rejected`` the versions that did not
     verify or were replays (never read again), ``expired`` the nodes already reported expired.
     While a LIST's reads are in flight, ``listing`` holds the entries folded so far and
-    ``waiting`` the version of each lease being read."""
+    ``waiting`` the version of each lease being read. ``listed_at`` is when the last LIST was
+    made, ``next_observation`` when the next is due at the cadence last asked for."""
 
     counter: int = 0
     next_renewal: float = -math.inf
+    listed_at: float = -math.inf
     next_observation: float = -math.inf
     leaving: bool = False
     renewing: bool = True
@@ -248,12 +256,19 @@ def renew(
     return keeper, [RenewLease(lease=lease)]
 
 
-def watch(keeper: Keeper, *, now: float, lease_every: float) -> tuple[Keeper, list[Effect]]:
-    """List everyone's leases when it is due (every ``lease_every / 2`` seconds, once the
-    previous LIST is folded)."""
-    if keeper.listing is not None or now < keeper.next_observation:
+def watch(keeper: Keeper, *, now: float, every: float) -> tuple[Keeper, list[Effect]]:
+    """List everyone's leases ``every`` seconds after the last LIST (at once if there was none;
+    never again when ``every`` is infinite), once that one is folded. The cadence may change
+    from call to call (the syncer's ``lease_cadence``): the next LIST is due ``every`` seconds
+    after the last one at the cadence asked for now."""
+    if keeper.listing is not None:
         return keeper, []
-    keeper = attrs.evolve(keeper, next_observation=now + lease_every / 2, listing=())
+    due = keeper.listed_at + every if keeper.listed_at > -math.inf else -math.inf
+    if now < due:
+        if due != keeper.next_observation:
+            keeper = attrs.evolve(keeper, next_observation=due)
+        return keeper, []
+    keeper = attrs.evolve(keeper, listed_at=now, next_observation=now + every, listing=())
     return keeper, [ListLeases()]
 
 
@@ -264,10 +279,11 @@ def listed(
     now: float,
     lease_timeout: float,
     keyring: Keyring | None = None,
+    ahead: int = RENEWALS_AHEAD,
 ) -> tuple[Keeper, list[Effect]]:
-    """A LIST of ``leases/``: an unchanged entry, or one whose MD5 is an expected renewal
-    (``renewal``), folds at once; any other change is read first, unless that version was
-    refused already."""
+    """A LIST of ``leases/``: an unchanged entry, or one whose MD5 is one of the next ``ahead``
+    renewals (``renewal``), folds at once; any other change is read first, unless that
+    version was refused already."""
     known, rejected = dict(keeper.known), dict(keeper.rejected)
     listing: dict[str, tuple[str, bool, str]] = {}
     updated = dict(known)
@@ -279,7 +295,7 @@ def listed(
             continue
         if rejected.get(node) == version:
             continue
-        renewed = renewal(node, was, md5, keyring) if was is not None else None
+        renewed = renewal(node, was, md5, keyring, ahead) if was is not None else None
         if was is not None and renewed is not None:
             counter, left = renewed
             updated[node] = attrs.evolve(was, version=version, counter=counter, left=left)

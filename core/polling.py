@@ -7,15 +7,17 @@ round (``Watch``); a snapshot that lost its key to another incarnation has misse
 and the commit that does not count it makes the training thread rebase (``learner.on_commit``).
 
 Commits (Decision 8). The next commit of each fragment is polled with one GET per poll
-interval; a commit this node's syncer wrote, or that a poll found, is taken at once, and a node
-that finds one in the store reads on to the next without waiting (catching up). A commit is
-used only when it is a link of its fragment's chain (``chain.continues``); its parameters are
-read and verified, then delivered with every ``(node, nonce)`` it counted. A commit whose
-parameters were collected before this node read them (it fell ``keep`` rounds behind) re-aligns
-the node: the chain walk finds the fragment's newest commit, which is delivered with what both
-commits counted (commit records are never collected), so a snapshot the skipped commit counted
-is not rebased (``rules.counted``); every skipped round is committed, and ``Seen`` tells the
-syncer so.
+interval while this node has a snapshot in that round, and once every ``IDLE_POLLS`` poll
+intervals otherwise (it can only be committed without this node: the node is late). A commit
+this node's syncer wrote, or that a poll found, is taken at once, and a node that finds one in
+the store reads on to the next without waiting (catching up). A commit is used only when it
+is a link of its fragment's chain (``chain.continues``); its parameters are read and
+verified, then delivered with every ``(node, nonce)`` it counted. A commit whose parameters
+were collected before this node read them (it fell ``keep`` rounds behind) re-aligns the
+node: the chain walk finds the fragment's newest commit, which is delivered with what both
+commits counted (commit records are never collected), so a snapshot the skipped commit
+counted is not rebased (``rules.counted``); every skipped round is committed, and ``Seen``
+tells the syncer so.
 """
 
 from __future__ import annotations
@@ -54,7 +56,12 @@ from gradientmail.core.errors import ProtocolError
 from gradientmail.core.records import Commit, Manifest
 from gradientmail.core.rules import RULES, Rules
 
-__all__ = ["Fetch", "PollState", "Settings", "start", "step"]
+__all__ = ["IDLE_POLLS", "Fetch", "PollState", "Settings", "start", "step"]
+
+IDLE_POLLS = 10
+"""Poll intervals between GETs of a fragment's next commit while this node has no snapshot in
+that round: the commit can then exist only if the round closed without this node, which the
+node learns at the latest ``IDLE_POLLS`` polls later (and at its next snapshot's poll)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -65,6 +72,7 @@ class Settings:
     manifest: Manifest
     poll_interval: float
     rules: Rules = RULES
+    idle_polls: int = IDLE_POLLS  # poll intervals between GETs of a commit not expected yet
 
 
 @attrs.frozen(kw_only=True)
@@ -84,13 +92,15 @@ class Fetch:
 class PollState:
     """Per fragment: the next commit round expected, when to GET it next (node's clock), and
     the fetch under way; the commits this node's syncer handed over; the captures being
-    uploaded, as ``(round, nonce)``; whether the loop is stopping."""
+    uploaded, as ``(round, nonce)``; the rounds uploaded and not yet delivered
+    (``published``); whether the loop is stopping."""
 
     next: tuple[int, ...]
     due: tuple[float, ...]
     fetches: tuple[Fetch | None, ...]
     known: tuple[tuple[int, Commit], ...] = ()
     uploading: tuple[tuple[int, str], ...] = ()
+    published: tuple[int, ...] = ()
     stopping: bool = False
 
 
@@ -139,7 +149,7 @@ def _take(
             Upload(round=item.round, nonce=item.nonce)
         ]
     if isinstance(item, Uploaded):
-        return _uploaded(state, item, settings)
+        return _uploaded(state, item, now, settings)
     if isinstance(item, Committed):
         known = dict(state.known)
         known[item.commit.round] = item.commit
@@ -153,13 +163,18 @@ def _take(
 
 
 def _uploaded(
-    state: PollState, item: Uploaded, settings: Settings
+    state: PollState, item: Uploaded, now: float, settings: Settings
 ) -> tuple[PollState, list[Effect]]:
     nonce = dict(state.uploading).get(item.round)
     if nonce is None:
         return state, []
     uploading = tuple((r, n) for r, n in state.uploading if r != item.round)
-    state = attrs.evolve(state, uploading=uploading)
+    published = tuple(sorted({*state.published, item.round}))
+    state = attrs.evolve(state, uploading=uploading, published=published)
+    # Its commit is now expected: polled every interval from the next one on.
+    k = item.round % len(state.next)
+    if state.due[k] > now + settings.poll_interval:
+        state = _set(state, k, due=now + settings.poll_interval)
     ours = settings.rules.ours(item.created, nonce)
     # Either way the syncer watches the round: a snapshot that lost its key to another
     # incarnation has missed the round, which its commit will show.
@@ -173,8 +188,9 @@ def _poll(
     state: PollState, k: int, now: float, settings: Settings
 ) -> tuple[PollState, list[Effect]]:
     """Fragment ``k``'s next commit: taken at once when known, else GET once per interval
-    (a bell that wakes the loop sooner adds no GET; the slack keeps a timer that fires a hair
-    early on time)."""
+    while this node has a snapshot in that round or a later one of the fragment, once per
+    ``IDLE_POLLS`` intervals otherwise (a bell that wakes the loop sooner adds no GET; the
+    slack keeps a timer that fires a hair early on time)."""
     if state.fetches[k] is not None:
         return state, []
     r = state.next[k]
@@ -184,7 +200,10 @@ def _poll(
         return _set(state, k, fetches=fetch), [ReadParams(fragment=k, commit=known)]
     if now < state.due[k] - settings.poll_interval / 100:
         return state, []
-    return _set(state, k, due=now + settings.poll_interval), [PollCommit(round=r)]
+    K = len(state.next)
+    expected = any(p >= r and p % K == k for p in state.published)
+    interval = settings.poll_interval * (1 if expected else settings.idle_polls)
+    return _set(state, k, due=now + interval), [PollCommit(round=r)]
 
 
 def _counted(commit: Commit) -> frozenset[tuple[str, str]]:
@@ -281,7 +300,8 @@ def _deliver(
 ) -> tuple[PollState, list[Effect]]:
     K = settings.manifest.algorithm.fragments
     known = tuple((r, c) for r, c in state.known if r > commit.round or r % K != k)
-    state = attrs.evolve(state, known=known)
+    published = tuple(p for p in state.published if p > commit.round or p % K != k)
+    state = attrs.evolve(state, known=known, published=published)
     state = _set(state, k, fetches=None, next=commit.round + K)
     if fetch.from_store:
         state = _set(state, k, due=-math.inf)  # found in the store: a node catching up reads on

@@ -2,15 +2,17 @@
 closing rules assign this node, take over abandoned ones, and collect old rounds.
 
 ``step(view, state, *, now, settings)`` takes what the loop gathered since its last call (the
-results of the effects it returned, and messages from the learner loop: ``Watch`` a round this
-node published to, ``Seen`` a commit, ``Leave``, ``Stop``) and returns the next state, the
-effects to carry out and why. Requests (Decision 8): one LIST of ``leases/`` every
-``lease_every / 2`` seconds and a GET only for a lease that changed beyond a renewal
-(``leases``); for each round this node published to, one LIST of its snapshots per poll, and
-of its claims too once it may close, only while it is ``attentive`` (``closing``: the closer it
-predicts or the next candidate, or ``takeover`` seconds on); commits are learned from the
-learner's polls (``Seen``), never polled twice. At most one close runs at a
-time, so a closer holds one fragment's deltas and outer state at once (Decision 16).
+results of the effects it returned, and messages from the node's other loops: ``Watch`` a
+round this node published to, ``Seen`` a commit, ``Gather``, ``Leave``, ``Stop``) and returns
+the next state, the effects to carry out and why. Requests (Decision 8): one LIST of
+``leases/`` every ``lease_every / 2`` seconds while the view decides something
+(``lease_cadence``: while the node waits to see the others, and while it is attentive to a
+round), else none, and a GET only for a lease that changed beyond the renewals it expects
+(``leases``); for each round this node published to, one LIST of its snapshots per poll,
+and of its claims too once it may close, only while it is ``attentive`` (``closing``: the
+closer it predicts or the next candidate, or ``takeover`` seconds on); commits are learned
+from the learner's polls (``Seen``), never polled twice. At most one close runs at a time,
+so a closer holds one fragment's deltas and outer state at once (Decision 16).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from gradientmail.core.effects import (
     Done,
     Effect,
     Forget,
+    Gather,
     LeaseRead,
     LeasesListed,
     Leave,
@@ -74,13 +77,16 @@ class Settings:
     outlier_factor: float | None = robust.DEFAULT_OUTLIER_FACTOR
     rules: Rules = RULES
     keyring: Keyring | None = None  # a signed run's: the leases it expects are signed with it
+    lease_idle: float | None = None  # seconds between LISTs of leases when idle; None: never
+    renewals_ahead: int = leases.RENEWALS_AHEAD  # recognized from a listed MD5 without a GET
 
 
 @attrs.frozen(kw_only=True)
 class SyncerState:
     """The syncer's lease keeper, the rounds it watches (ascending), the commits it knows
     (a window), the peers those commits included, the rounds it will collect
-    and when (``collect``: ``(round, due)``), and whether it is stopping."""
+    and when (``collect``: ``(round, due)``), whether it is stopping, and whether the node
+    waits to see the run's nodes (``gathering``: from ``Gather`` to its first snapshot)."""
 
     keeper: Keeper = attrs.Factory(Keeper)
     rounds: tuple[RoundState, ...] = ()
@@ -88,6 +94,7 @@ class SyncerState:
     peers: frozenset[str] = frozenset()
     collect: tuple[tuple[int, float], ...] = ()
     stopping: bool = False
+    gathering: bool = False
 
     def commit(self, r: int) -> Commit | None:
         return dict(self.commits).get(r)
@@ -127,7 +134,8 @@ def step(
     effects += more
     state, more = _collect(state, now, settings)
     effects += more
-    keeper, more = leases.watch(state.keeper, now=now, lease_every=settings.lease_every)
+    every = lease_cadence(state, settings)
+    keeper, more = leases.watch(state.keeper, now=now, every=every)
     if keeper is not state.keeper:
         state = attrs.evolve(state, keeper=keeper)
     effects += more
@@ -139,6 +147,24 @@ def step(
     until = min(until, state.keeper.deadline, *(due for _, due in state.collect))
     reason = "; ".join(reasons) or "no round to watch"
     return state, [*effects, Wait(until=until, reason=reason)], reason
+
+
+def lease_cadence(state: SyncerState, settings: Settings) -> float:
+    """Seconds between this node's LISTs of ``leases/`` (Decision 8).
+
+    ``lease_every / 2`` while its view decides something: while the node waits to see the
+    run's nodes before training (``Gather``, sent by ``wait_for_nodes``; until its first
+    snapshot) and while it is attentive to a round (``closing.attentive``: it may close or
+    take over, by the nodes it sees live). Otherwise never (``Settings.lease_idle`` sets a
+    cadence): the view then only predicts who closes a round, which the closer it predicts,
+    the understudy and a takeover correct, and a node that becomes attentive lists at once
+    when its last LIST is older than ``lease_every / 2``. Expiry is judged the same at any
+    cadence (a version unchanged ``lease_timeout`` after it was first seen, at the
+    observer's last LIST), only noticed later.
+    """
+    if state.gathering or any(s.attentive for s in state.rounds):
+        return settings.lease_every / 2
+    return math.inf if settings.lease_idle is None else settings.lease_idle
 
 
 def _take(
@@ -154,6 +180,8 @@ def _take(
         return _watch(state, item.round, settings), []
     if isinstance(item, Seen):
         return _learn(state, item.commit, settings), []
+    if isinstance(item, Gather):
+        return attrs.evolve(state, gathering=True), []
     if isinstance(item, Leave):
         keeper = attrs.evolve(state.keeper, leaving=True, next_renewal=-math.inf)
         return attrs.evolve(state, keeper=keeper), []
@@ -166,6 +194,7 @@ def _take(
             now=now,
             lease_timeout=settings.lease_timeout,
             keyring=settings.keyring,
+            ahead=settings.renewals_ahead,
         )
         return attrs.evolve(state, keeper=keeper), effects
     if isinstance(item, LeaseRead):
@@ -200,6 +229,8 @@ def _round_of(item: Result, state: SyncerState, fragments: int) -> int | None:
 def _watch(state: SyncerState, r: int, settings: Settings) -> SyncerState:
     """This node has a snapshot in round ``r``: look at it now (unless it is committed)."""
     K = settings.manifest.algorithm.fragments
+    if state.gathering:
+        state = attrs.evolve(state, gathering=False)
     if any(c >= r and c % K == r % K for c, _ in state.commits):
         return state
     found = [s for s in state.rounds if s.round == r]

@@ -22,7 +22,7 @@ from gradientmail.adapters import Adapter, Backend, backend_for, default_backend
 from gradientmail.core import gc, join, keys, polling, syncer
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.codecs import Compression
-from gradientmail.core.effects import Leave, Stop
+from gradientmail.core.effects import Gather, Leave, Stop
 from gradientmail.core.errors import ProtocolError
 from gradientmail.core.join import JoinState
 from gradientmail.core.robust import DEFAULT_OUTLIER_FACTOR
@@ -274,6 +274,7 @@ class Node:
         one rounds are closed by, so every round after this wait expects those nodes."""
         assert self.syncer is not None
         deadline = self.clock.now() + timeout
+        self.syncer.inbox.put(Gather())  # the leases are listed every lease_every / 2 meanwhile
         while True:
             self.handoff.raise_failure()
             now = self.clock.now()

@@ -1,0 +1,116 @@
+"""How often a syncer LISTs ``leases/`` (``syncer.lease_cadence``, Decision 8): every
+``lease_every / 2`` seconds while its view decides something (it waits to see the run's nodes,
+or it is attentive to a round), else never."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import attrs
+
+from gradientmail.core import closing, keys, syncer
+from gradientmail.core.algorithm import DiLoCo
+from gradientmail.core.effects import Gather, LeaseRead, LeasesListed, ListLeases, Result, Watch
+from gradientmail.core.fragments import partition
+from gradientmail.core.records import Lease, Manifest, PayloadRef
+from gradientmail.core.tensors import ParameterSpec, Schema
+
+NONCE = "0123456789abcdef"
+SCHEMA = Schema.of([ParameterSpec(name="w", dtype="F32", shape=(4,))])
+MANIFEST = Manifest(
+    nonce=NONCE,
+    creator="node-a",
+    schema=SCHEMA,
+    algorithm=DiLoCo(inner_steps=10, fragments=1),
+    fragments=partition(SCHEMA, 1),
+    init=(PayloadRef(key=keys.init(0, NONCE), digest="cd" * 32, size=16),),
+)
+
+EVERY, TIMEOUT = 10.0, 30.0
+SETTINGS = syncer.Settings(
+    node="node-a",
+    process=NONCE,
+    manifest=MANIFEST,
+    poll_interval=1.0,
+    lease_every=EVERY,
+    lease_timeout=TIMEOUT,
+    takeover=TIMEOUT,
+)
+
+
+def others(r: int, me_first: bool) -> tuple[str, ...]:
+    """Two more nodes, named so that ``node-a`` is (or is not) round ``r``'s first candidate."""
+    names = [f"node-{c}" for c in "bcdefghijklmnop"]
+    mine = closing.rank(r, "node-a")
+    if me_first:
+        return tuple(n for n in names if closing.rank(r, n) > mine)[:2]
+    return tuple(n for n in names if closing.rank(r, n) < mine)[:2]
+
+
+def run(
+    state: syncer.SyncerState,
+    start: float,
+    until: float,
+    messages: Sequence[Result] = (),
+    nodes: Sequence[str] = (),
+) -> tuple[syncer.SyncerState, list[float]]:
+    """Step the syncer every 0.5 s from ``start`` to ``until`` (``messages`` at the first
+    step), answering each LIST of leases at once with ``nodes``' leases (and ``node-a``'s),
+    each renewed since the last LIST: when it listed."""
+    listed: list[float] = []
+    view: list[Result] = list(messages)
+    now = start
+    while now <= until:
+        state, effects, _ = syncer.step(view, state, now=now, settings=SETTINGS)
+        view = []
+        if any(isinstance(e, ListLeases) for e in effects):
+            listed.append(now)
+            counter = len(listed)
+            leases = [Lease(node=n, nonce=NONCE, counter=counter) for n in ("node-a", *nodes)]
+            entries = tuple((x.node, f"v{counter}", 100, None) for x in leases)
+            state, effects, _ = syncer.step(
+                [LeasesListed(entries=entries)], state, now=now, settings=SETTINGS
+            )
+            reads = [LeaseRead(node=x.node, lease=x) for x in leases]
+            state, _, _ = syncer.step(reads, state, now=now, settings=SETTINGS)
+        now += 0.5
+    return state, listed
+
+
+def test_a_node_that_decides_nothing_lists_only_when_it_starts() -> None:
+    state, listed = run(syncer.SyncerState(), 0.0, 300.0)
+    assert listed == [0.0]
+    assert syncer.lease_cadence(state, SETTINGS) == math.inf
+
+
+def test_the_idle_cadence_can_be_set() -> None:
+    settings = attrs.evolve(SETTINGS, lease_idle=TIMEOUT)
+    assert syncer.lease_cadence(syncer.SyncerState(), settings) == TIMEOUT
+
+
+def test_a_gathering_node_lists_every_half_renewal_until_it_publishes() -> None:
+    nodes = others(0, me_first=False)
+    state, listed = run(syncer.SyncerState(), 0.0, 20.0, [Gather()], nodes)
+    assert listed == [0.0, 5.0, 10.0, 15.0, 20.0]
+    assert state.gathering
+    state, listed = run(state, 20.5, 50.0, [Watch(round=0, ours=True)], nodes)
+    assert not state.gathering
+    # Another node is round 0's predicted closer: this one leaves the round to that closer
+    # and lists nothing until its takeover timer (30 s) makes it attentive.
+    assert state.rounds and not any(s.attentive for s in state.rounds)
+    assert listed == []
+    state, listed = run(state, 50.5, 60.0, (), nodes)
+    assert all(s.attentive for s in state.rounds)
+    assert listed == [50.5, 55.5]
+
+
+def test_the_predicted_closer_lists_every_half_renewal() -> None:
+    nodes = others(0, me_first=True)
+    state, listed = run(syncer.SyncerState(), 0.0, 12.0, (), nodes)
+    assert listed == [0.0]
+    state, listed = run(state, 12.5, 30.0, [Watch(round=0, ours=True)], nodes)
+    # Its last LIST is 12.5 s old, more than lease_every / 2: it lists at once, then every
+    # lease_every / 2 while it is attentive to the round.
+    assert state.rounds and all(s.attentive for s in state.rounds)
+    assert listed == [12.5, 17.5, 22.5, 27.5]
