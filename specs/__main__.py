@@ -40,6 +40,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drift", type=int, default=0, help="clock drift bound, seconds")
     p.add_argument("--no-leave", action="store_true", help="nodes never leave")
     p.add_argument(
+        "--idle-polls",
+        type=int,
+        default=2,
+        help="poll intervals between GETs of a commit the node has no snapshot in",
+    )
+    p.add_argument(
+        "--quick-leases",
+        action="store_true",
+        help="every node lists leases every lease_every / 2 (not lease_timeout when idle)",
+    )
+    p.add_argument(
         "--grain",
         choices=("write", "call"),
         default="write",
@@ -74,6 +85,8 @@ def config_of(args: argparse.Namespace) -> Config:
         steps=args.steps,
         drift=args.drift,
         leave=not args.no_leave,
+        quick_leases=args.quick_leases,
+        idle_polls=args.idle_polls,
         grain=args.grain,
         bugs=frozenset(args.bug),
     )

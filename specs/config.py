@@ -77,6 +77,22 @@ class Config:
         Bound on any node's clock running ahead of or behind virtual time (seconds).
     leave
         Whether nodes may leave (``Session.close``).
+    quick_leases
+        Every node lists the leases every ``lease_every / 2`` seconds, as before the idle
+        cadence (``syncer.lease_cadence``: ``lease_timeout`` between LISTs while a node is not
+        attentive to any round); for worlds the idle cadence makes too large to exhaust here.
+    idle_polls
+        Poll intervals between a learner's GETs of a commit it has no snapshot in
+        (``polling.IDLE_POLLS``, 10 in the library): 2 here, so the idle poll is a timer of
+        its own without ten ticks of states.
+    renewals_ahead
+        Renewals past the last one judged that an observer recognizes from a listed MD5
+        (``leases.RENEWALS_AHEAD``, 64 in the library): 8 here, since the view tells lags apart
+        up to it.
+    exact
+        Deduplicate on the exact view (every time a node keeps, up to the cap) instead of the
+        reduced one (a lease's age only up to ``lease_timeout``, no time of the last LIST):
+        for the test that the two explore the same (``specs.view``, specs/README.md).
     bugs
         Planted bugs to switch on (``BUGS``; at most one).
     """
@@ -103,6 +119,10 @@ class Config:
     horizon: int = attrs.field(default=0, validator=_at_least(0))
     drift: int = attrs.field(default=0, validator=_at_least(0))
     leave: bool = True
+    quick_leases: bool = False
+    idle_polls: int = attrs.field(default=2, validator=_at_least(1))
+    renewals_ahead: int = attrs.field(default=8, validator=_at_least(1))
+    exact: bool = False
     bugs: frozenset[str] = attrs.field(default=frozenset(), validator=_one_of(BUGS))
     algorithm: DiLoCo = attrs.field(init=False, eq=False, repr=False)
 
@@ -175,6 +195,12 @@ class Config:
             parts.append(f"drift={self.drift}")
         if not self.leave:
             parts.append("no-leave")
+        if self.quick_leases:
+            parts.append("quick-leases")
+        if self.idle_polls != 2:
+            parts.append(f"idle-polls={self.idle_polls}")
+        if self.exact:
+            parts.append("exact-view")
         if self.bugs:
             parts.append(f"bugs={','.join(sorted(self.bugs))}")
         return " ".join(parts)

@@ -76,8 +76,10 @@ def explore(
     liveness: bool = True,
     max_states: int | None = None,
     progress: Callable[[int, int, int], None] | None = None,
+    visit: Callable[[World], None] | None = None,
 ) -> Result:
-    """Breadth-first exploration of every interleaving within ``config``'s bounds."""
+    """Breadth-first exploration of every interleaving within ``config``'s bounds;
+    ``visit`` is called with one world of each distinct state."""
     started = time.perf_counter()
     world = initial(config)
     root = fingerprint(world)
@@ -88,6 +90,8 @@ def explore(
     generated = depth = 0
     report = 25_000
     violation = _check(world, root, parents, liveness, memo, deferred)
+    if visit is not None:
+        visit(world)
     while queue and violation is None:
         world, fp, d = queue.popleft()
         depth = max(depth, d)
@@ -101,6 +105,8 @@ def explore(
             if child in parents:
                 continue
             parents[child] = (fp, event)
+            if visit is not None:
+                visit(after)
             violation = violation or _check(after, child, parents, liveness, memo, deferred)
             if violation is not None:
                 depth = d + 1

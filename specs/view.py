@@ -10,7 +10,7 @@ The view drops history and normalizes time so the explored space is finite:
 - a lease's counter is dropped: the mailbox keeps each lease's nonce and ``left`` flag, and
   an observer whether the version it last saw (or listed, or rejected) is still the current
   one, and how many renewals behind the current one a counter it judged or listed is, capped
-  past ``leases.RENEWALS_AHEAD`` (the rules recognize that many renewals from a listing);
+  past ``Config.renewals_ahead`` (the rules recognize that many renewals from a listing);
 - records keep what the rules read of them; a manifest is its creator and nonce.
 
 The fingerprint is blake2b over ``repr`` of the view, a nested tuple of ints, floats, strings,
@@ -29,8 +29,9 @@ import attrs
 from gradientmail.core import keys
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.effects import LeasesListed
-from gradientmail.core.leases import RENEWALS_AHEAD, Keeper, Leases
+from gradientmail.core.leases import Keeper, Leases
 from gradientmail.core.records import Claim, Commit, Included, Lease, Manifest, Snapshot
+from specs.config import Config
 from specs.mailbox import Forged, Mailbox, Payload, SnapObj
 from specs.state import NodeState, World
 
@@ -85,10 +86,14 @@ def _cached(obj: object, salt: int, compute: Any) -> Any:
 
 
 def _node(world: World, node: NodeState, versions: dict[str, str]) -> Any:
-    skew = node.clock - world.time if world.config.drift else 0
-    cap = world.config.cap
-    salt = hash((node.clock, cap, tuple(sorted(versions.items()))))
-    coder = _Coder(node.clock, cap, versions)
+    config = world.config
+    skew = node.clock - world.time if config.drift else 0
+    cap = config.cap
+    coded = (config.exact, config.renewals_ahead, config.lease_every, config.lease_timeout)
+    salt = hash((node.clock, cap, coded, tuple(sorted(versions.items()))))
+    coder = _Coder(
+        node.clock, cap, versions, config.renewals_ahead, None if config.exact else config
+    )
 
     def part(value: Any) -> Any:
         if value is None or isinstance(value, int | str | bool):
@@ -110,10 +115,25 @@ class _Coder:
     """Encodes a node's state: times relative to its ``clock``, capped at ``cap``; lease
     versions as whether they are the current ones (``versions``)."""
 
-    def __init__(self, clock: float, cap: int, versions: dict[str, str]) -> None:
+    def __init__(
+        self,
+        clock: float,
+        cap: int,
+        versions: dict[str, str],
+        ahead: int = 0,
+        config: Config | None = None,
+    ) -> None:
         self.clock = clock
         self.cap = cap
         self.versions = versions
+        self.ahead = ahead
+        self.config = config  # None: the exact view (every time kept up to the cap)
+
+    def age(self, at: float, bound: float) -> float:
+        """How long ago ``at`` was on this clock, capped at ``bound`` (inf: never)."""
+        if math.isinf(at):
+            return math.inf
+        return min(bound, round(self.clock - at, 6))
 
     def fresh(self, node: str, version: str) -> bool:
         return self.versions.get(node) == version
@@ -125,7 +145,7 @@ class _Coder:
         seen_nonce, _, seen = version.partition(".")
         if nonce != seen_nonce or not counter or not seen:
             return None
-        return max(-1, min(int(counter) - int(seen), RENEWALS_AHEAD + 1))
+        return max(-1, min(int(counter) - int(seen), self.ahead + 1))
 
     def object(self, obj: object) -> Any:
         if isinstance(obj, SnapObj | Payload | Forged | int):
@@ -162,19 +182,47 @@ def _lease(coder: _Coder, lease: Lease) -> Any:
 
 
 def _leases(coder: _Coder, leases: Leases) -> Any:
+    config = coder.config
+    if config is None:
+        seen = tuple(
+            (n, coder.fresh(n, o.version), o.left, o.nonce, coder.encode(o.changed_at))
+            for n, o in leases.seen
+        )
+        return ("leases", seen, coder.encode(leases.polled_at))
+    # The rules read a lease's age only against lease_timeout (``Leases.expired``, ``live``,
+    # ``active``): expired at the last LIST or not, and for the next LIST how long ago the
+    # version was first seen, which past lease_timeout means expired at any later LIST. So
+    # each age is kept up to lease_timeout, and the time of the last LIST not at all.
+    timeout = float(config.lease_timeout)
+    polled = leases.polled_at
     seen = tuple(
-        (n, coder.fresh(n, o.version), o.left, o.nonce, coder.encode(o.changed_at))
+        (
+            n,
+            coder.fresh(n, o.version),
+            o.left,
+            o.nonce,
+            polled is not None and polled - o.changed_at >= timeout,
+            coder.age(o.changed_at, timeout),
+        )
         for n, o in leases.seen
     )
-    return ("leases", seen, coder.encode(leases.polled_at))
+    return ("leases", seen, polled is None)
 
 
 def _keeper(coder: _Coder, keeper: Keeper) -> Any:
     fresh = coder.fresh
+    config = coder.config
+    if config is None:
+        listed: Any = (coder.encode(keeper.listed_at), coder.encode(keeper.next_observation))
+    else:
+        # The next LIST is due once the last is ``lease_cadence`` old: lease_every / 2, the
+        # explorer's only finite cadence, or never (inf). ``next_observation`` is set again
+        # from ``listed_at`` at every syncer step before it is read (``leases.watch``).
+        listed = coder.age(keeper.listed_at, config.lease_every / 2)
     return (
         "keeper",
         coder.encode(keeper.next_renewal),
-        coder.encode(keeper.next_observation),
+        listed,
         keeper.leaving,
         keeper.renewing,
         _leases(coder, keeper.view),

@@ -110,7 +110,11 @@ def _settings(config: Config, i: int, epoch: int, loop: str, manifest: Manifest 
     assert manifest is not None
     if loop == "learner":
         return polling.Settings(
-            node=me, manifest=manifest, poll_interval=float(config.poll_interval), rules=rules
+            node=me,
+            manifest=manifest,
+            poll_interval=float(config.poll_interval),
+            rules=rules,
+            idle_polls=config.idle_polls,
         )
     return syncer.Settings(
         node=me,
@@ -124,6 +128,8 @@ def _settings(config: Config, i: int, epoch: int, loop: str, manifest: Manifest 
         horizon=float(config.horizon),
         outlier_factor=None,
         rules=rules,
+        lease_idle=config.lease_every / 2 if config.quick_leases else None,
+        renewals_ahead=config.renewals_ahead,
     )
 
 
