@@ -32,7 +32,9 @@ from sim.sim_config import SimConfig
 from sim.sim_world import Outcome, simulate
 from sim.simulate import Summary, report
 
-# Realistic proportions for the request figures: 50 s rounds, 1 s polls, 10 s lease renewals.
+# Realistic proportions for the request figures: 50 s rounds, 1 s polls, 10 s lease renewals,
+# and a grace of 5 polls. (With a grace of one poll, rounds closed on the nodes that had merged
+# the previous commit within that poll: half the nodes, and the other half in a round of its own.)
 REQUESTS: dict[str, Any] = {
     "inner_steps": 100,
     "fragments": 1,
@@ -42,12 +44,13 @@ REQUESTS: dict[str, Any] = {
     "lease_timeout": 30.0,
     "latency": "uniform",
     "latency_mean": 0.02,
-    "grace": 1.0,
+    "grace": 5.0,
     "keep_rounds": 2,
 }
 # Short rounds (4 s) for the throughput figures: simulated node-rounds, not polls, per second.
 SPEED: dict[str, Any] = {
     **REQUESTS,
+    "grace": 1.0,
     "inner_steps": 8,
     "lease_every": 2.0,
     "lease_timeout": 6.0,
