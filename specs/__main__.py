@@ -40,6 +40,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drift", type=int, default=0, help="clock drift bound, seconds")
     p.add_argument("--no-leave", action="store_true", help="nodes never leave")
     p.add_argument(
+        "--gather",
+        action="store_true",
+        help="nodes wait to see every node before they train (Session.wait_for_nodes)",
+    )
+    p.add_argument(
         "--idle-polls",
         type=int,
         default=2,
@@ -87,6 +92,7 @@ def config_of(args: argparse.Namespace) -> Config:
         leave=not args.no_leave,
         quick_leases=args.quick_leases,
         idle_polls=args.idle_polls,
+        gather=args.gather,
         grain=args.grain,
         bugs=frozenset(args.bug),
     )

@@ -81,6 +81,11 @@ class Config:
         Every node lists the leases every ``lease_every / 2`` seconds, as before the idle
         cadence (``syncer.lease_cadence``: ``lease_timeout`` between LISTs while a node is not
         attentive to any round); for worlds the idle cadence makes too large to exhaust here.
+    gather
+        Nodes wait to see every node of the world before they train (``Session.wait_for_nodes``:
+        the world sends the syncer ``Gather`` when the node starts, and ``train`` waits for its
+        lease view to hold ``nodes`` active nodes); the invariant ``first-rounds-expect-all``
+        then holds.
     idle_polls
         Poll intervals between a learner's GETs of a commit it has no snapshot in
         (``polling.IDLE_POLLS``, 10 in the library): 2 here, so the idle poll is a timer of
@@ -120,6 +125,7 @@ class Config:
     drift: int = attrs.field(default=0, validator=_at_least(0))
     leave: bool = True
     quick_leases: bool = False
+    gather: bool = False
     idle_polls: int = attrs.field(default=2, validator=_at_least(1))
     renewals_ahead: int = attrs.field(default=8, validator=_at_least(1))
     exact: bool = False
@@ -197,6 +203,8 @@ class Config:
             parts.append("no-leave")
         if self.quick_leases:
             parts.append("quick-leases")
+        if self.gather:
+            parts.append("gather")
         if self.idle_polls != 2:
             parts.append(f"idle-polls={self.idle_polls}")
         if self.exact:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from itertools import pairwise
 
-from gradientmail.core import chain, gc, keys
+from gradientmail.core import chain, closing, gc, keys
 from gradientmail.core.records import Claim
 from specs.mailbox import SnapObj, commit_at
 from specs.state import World
@@ -136,6 +136,39 @@ def single_claim(world: World) -> str | None:
     return None
 
 
+def first_rounds_expect_all(world: World, *, always: bool = False) -> str | None:
+    """In a world whose nodes wait to see every node before they train (``Config.gather``,
+    ``Session.wait_for_nodes``), and had no crash or pause so far, a closer of a fragment's
+    first round expects every running node that is not leaving (``closing.expected``, from its
+    lease view) (issue #21: first rounds closed early on a view older than the others' joins).
+    ``always`` checks it in any world (a test shows it fails without the wait)."""
+    config = world.config
+    if not always and (not config.gather or world.crashes or world.pauses):
+        return None
+    running = {config.names[i] for i, n in enumerate(world.nodes) if n.running and not n.leaving}
+    for i, node in enumerate(world.nodes):
+        if not node.running or node.syncer is None:
+            continue
+        state = node.syncer.state
+        for s in state.rounds:
+            if s.closing is None or closing.previous_round(config.algorithm, s.round) >= 0:
+                continue
+            waited = closing.expected(
+                None,
+                sorted(state.peers),
+                state.keeper.view,
+                now=node.clock,
+                lease_timeout=config.lease_timeout,
+            )
+            missing = sorted(running - waited)
+            if missing:
+                return (
+                    f"n{i} closes round {s.round}, a first round, expecting "
+                    f"{sorted(waited)}: {missing} running and not expected"
+                )
+    return None
+
+
 def _on_mailbox(invariant: Callable[[World], str | None]) -> Callable[[World], str | None]:
     """Memoize an invariant that reads only the mailbox, the ghost spans and the configuration,
     by their identities: most steps leave them as they were."""
@@ -166,6 +199,7 @@ INVARIANTS: dict[str, Callable[[World], str | None]] = {
     "merged-committed": merged_committed,
     "watches-end": watches_end,
     "single-claim": _on_mailbox(single_claim),
+    "first-rounds-expect-all": first_rounds_expect_all,
     "join-newest": _flagged("join-newest"),
     "loops-live": _flagged("failed"),
 }

@@ -242,10 +242,26 @@ def _started(world: World, i: int, state: join.JoinState) -> World:
                 f"n{i} joined holding round {got} of fragment {k}, though round {floor} was "
                 "committed before its join began",
             )
+    # With gather, the node waits to see every node before it trains (Session.wait_for_nodes).
+    inbox: tuple[fx.Result, ...] = (fx.Gather(),) if world.config.gather else ()
     node = node._replace(
-        status=RUNNING, join=None, trainer=trainer, learner=Loop(polled), syncer=Loop(synced)
+        status=RUNNING,
+        join=None,
+        trainer=trainer,
+        learner=Loop(polled),
+        syncer=Loop(synced, inbox=inbox),
     )
     return world.with_node(i, node)
+
+
+def gathered(node: NodeState, config: Config) -> bool:
+    """Whether a node of a ``gather`` world may train: it has, or its lease view holds every
+    node of the world active (``Session.wait_for_nodes``)."""
+    if not config.gather or node.produced > 0:
+        return True
+    assert node.syncer is not None
+    view = node.syncer.state.keeper.view
+    return len(view.active(now=node.clock, lease_timeout=config.lease_timeout)) >= config.nodes
 
 
 # -- the training side -------------------------------------------------------------------
@@ -553,7 +569,7 @@ def _candidates(
         assert node.trainer is not None
         is_blocked = blocked(node, config)
         more = node.trainer.step < config.step_bound or not bounded
-        if not node.leaving and not is_blocked and more:
+        if not node.leaving and not is_blocked and more and gathered(node, config):
             events += [Event("train", i, samples=s) for s in samples]
         if node.ready and (is_blocked or node.leaving):
             events.append(Event("merge", i))
