@@ -282,15 +282,15 @@ def expected(
 
 def attentive(state: RoundState, ctx: Context, *, now: float) -> float | None:
     """None when this node reads round ``state.round``'s view every poll (Decision 8), else
-    when it will (node's clock: ``takeover`` seconds after it first left the round). It reads
-    every poll when it is
-    the closer it predicts (attempt 0's first candidate among the nodes the round expects,
-    itself included), or the next candidate until it sees that one's snapshot; when it cannot
-    predict one (the fragment's previous commit is unknown to it); while it closes; and once
-    the round has stayed open ``takeover`` seconds since it left it to that closer (a
-    takeover candidate past its timeout). Any other reporter leaves the round to that closer
-    and learns of the commit from the learner's poll, so a healthy round costs one or two
-    nodes their LISTs, not every node."""
+    when it will (node's clock: ``takeover`` seconds after it first left the round).
+
+    It reads every poll when it is the closer it predicts (attempt 0's first candidate among
+    the nodes the round expects, itself included), or the next candidate until it sees that
+    one's snapshot; when it cannot predict one (the fragment's previous commit is unknown to
+    it); while it closes; and once the round has stayed open ``takeover`` seconds since it left
+    it to that closer (a takeover candidate past its timeout). Any other reporter leaves the
+    round to that closer and learns of the commit from the learner's poll, so a healthy round
+    costs one or two nodes their LISTs, not every node."""
     if state.closing is not None or state.stale or state.watch.open_since is not None:
         return None
     late = (now if state.since is None else state.since) + ctx.takeover
@@ -330,8 +330,6 @@ def _closable(
     reporters = set(view.reporters)
     if not reporters:
         return watch, Wait(until=None, reason=f"round {view.round} has no snapshot yet")
-    # A fragment's first round expects every active node, and every node seen reporting that
-    # the lease view has not caught up with (its lease LIST is older than that node's join).
     waited = expected(
         view.previous_reporters, view.peers, leases, now=now, lease_timeout=lease_timeout
     )
