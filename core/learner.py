@@ -14,6 +14,12 @@ times from waiting on each other in a cycle (see docs/protocol.md).
 A fragment publishes nothing while its previous snapshot is in flight (Decision 5): a slot with
 no free fragment is deferred and taken as soon as a merge frees one. A fragment with no samples
 publishes nothing (Decision 6).
+
+Held. A node held at the overlap bound by round ``R`` publishes at once every free fragment
+whose next round is below ``R``: those rounds are owed before ``R`` in round order, and another
+node held by one of them may be what ``R`` waits for. A fragment that was in flight when its
+slot came lets the node publish a later round first; without this rule two nodes in opposite
+phases could each hold the round the other needs (docs/protocol.md, "Held").
 """
 
 from __future__ import annotations
@@ -142,7 +148,7 @@ def step(state: LearnerState, algorithm: DiLoCo, samples: int) -> tuple[LearnerS
         # A slot that finds no free fragment waits for a merge; at most one per fragment.
         deferred = min(state.deferred + 1, algorithm.fragments)
         state = attrs.evolve(state, slot=state.slot + 1, deferred=deferred)
-    return _take_deferred(state, algorithm, effects)
+    return _settle(state, algorithm, effects)
 
 
 def waiting_on(state: LearnerState, algorithm: DiLoCo) -> Blocked | None:
@@ -208,10 +214,10 @@ def on_commit(
         # not a scheduled slot, so the overlap bound does not apply to it.
         state, publish = _publish(state, k, algorithm, bounded=False)
         effects.append(publish)
-        return state, effects
+        return _publish_owed(state, algorithm, effects)
     if state.closing:
         return _publish_remaining(state, algorithm, effects)
-    return _take_deferred(state, algorithm, effects)
+    return _settle(state, algorithm, effects)
 
 
 def counted(
@@ -270,6 +276,46 @@ def _take_deferred(
         _, k = min(candidates)
         state, publish = _publish(state, k, algorithm, bounded=True)
         state = attrs.evolve(state, deferred=state.deferred - 1)
+        effects.append(publish)
+    return state, effects
+
+
+def _settle(
+    state: LearnerState, algorithm: DiLoCo, effects: list[Effect]
+) -> tuple[LearnerState, list[Effect]]:
+    state, effects = _take_deferred(state, algorithm, effects)
+    return _publish_owed(state, algorithm, effects)
+
+
+def _publish_owed(
+    state: LearnerState, algorithm: DiLoCo, effects: list[Effect]
+) -> tuple[LearnerState, list[Effect]]:
+    """While held at the overlap bound, publish each free fragment (with samples) whose next
+    round comes before the newest round holding the node, smallest round first. Such a
+    publication is bounded like a slot's: the node is held anyway, and it keeps every snapshot
+    in flight within the bound."""
+    bound = algorithm.overlap_steps
+    if bound is None or state.closing:
+        return state, effects
+    held = [
+        f.outstanding
+        for f in state.fragments
+        if f.outstanding is not None
+        and f.published_at is not None
+        and state.step - f.published_at >= bound
+    ]
+    if not held:
+        return state, effects
+    newest = max(held)
+    owed = sorted(
+        (next_round(algorithm, k, f.merged), k)
+        for k, f in enumerate(state.fragments)
+        if f.free and f.samples > 0
+    )
+    for target, k in owed:
+        if target >= newest:
+            break
+        state, publish = _publish(state, k, algorithm, bounded=True)
         effects.append(publish)
     return state, effects
 

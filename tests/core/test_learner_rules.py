@@ -399,6 +399,37 @@ def test_a_deferred_publish_is_bounded_from_the_step_it_is_taken() -> None:
     assert blocked is not None and blocked.round == 2
 
 
+def test_a_node_held_at_the_bound_publishes_the_rounds_it_owes_before_the_holding_one() -> None:
+    # Fragment 1 is rebased into round 3 (unbounded) while fragment 0 is at commit 4, so the
+    # next slot publishes round 6 first. Held by 6, the node must publish round 5 as soon as
+    # commit 3 frees fragment 1: another node held by round 5 may be what round 6 waits for
+    # (the simulator's seed 107 stalled for good on exactly that).
+    a = algo(h=4, k=2, overlap=1)
+    state, seen = run(rules.join(a, (4, -1)), a, 2)
+    assert [e.round for _, e in seen if isinstance(e, Publish)] == [1]
+    state, effects = rules.on_commit(state, a, round=1, included=False)
+    assert [p.round for p in publishes(effects)] == [3]
+    state, seen = run(state, a, 3)
+    assert [e.round for _, e in seen if isinstance(e, Publish)] == [6]
+    blocked = rules.waiting_on(state, a)
+    assert blocked is not None and blocked.round == 6
+    state, effects = rules.on_commit(state, a, round=3, included=True)
+    assert publishes(effects) == [Publish(fragment=1, round=5, base_round=3, samples=3, steps=3)]
+    assert state.fragments[1].published_at == 5
+    blocked = rules.waiting_on(state, a)
+    assert blocked is not None and blocked.round == 6
+
+
+def test_a_held_node_publishes_nothing_owed_after_the_holding_round() -> None:
+    a = algo(h=4, k=2, overlap=1)
+    state, _ = run(fresh(a), a, 3)
+    blocked = rules.waiting_on(state, a)
+    assert blocked is not None and blocked.round == 0
+    assert state.fragments[1].free and state.fragments[1].samples == 3
+    state, effects = rules.on_commit(state, a, round=1, included=False)
+    assert publishes(effects) == [], "round 3 comes after round 0: it waits for its slot"
+
+
 def test_close_publishes_free_fragments_and_waits_for_those_in_flight() -> None:
     a = algo(h=4, k=2, overlap=None)
     state, _ = run(fresh(a), a, 3)

@@ -103,6 +103,15 @@ def test_f1_a_lease_missing_from_one_listing_does_not_expire_it() -> None:
         assert outcome.violations == (), outcome.violations
 
 
+def test_f6_nodes_held_in_opposite_phases_publish_what_they_owe() -> None:
+    # The 200-seed swarm's seed 107 (8 nodes, 2 fragments, a quorum of every node, overlap 1):
+    # two late joiners were each held by a round the other had yet to publish, and rounds 11
+    # and 12 never committed. A node held at the bound now publishes the rounds it owes first.
+    outcome = run_seed(107, nodes=8, rounds=6, keep_trace=False)
+    assert outcome.violations == (), outcome.violations
+    assert outcome.committed >= 12
+
+
 # Nodes that crash and never restart, polling slowly: F2's runs, and the lease replayer's.
 DEAD_FOR_GOOD: dict[str, Any] = {
     "rounds": 10,
