@@ -48,6 +48,7 @@ __all__ = [
     "Leases",
     "Observed",
     "batch_share",
+    "gathered",
     "lease_md5",
     "listed",
     "observe",
@@ -124,6 +125,16 @@ def observe(
         changed_at = old.changed_at if old is not None and old.version == version else now
         seen[node] = Observed(version=version, left=left, nonce=nonce, changed_at=changed_at)
     return Leases(seen=tuple(sorted(seen.items())), polled_at=now)
+
+
+def gathered(
+    leases: Leases, *, now: float, lease_timeout: float, count: int
+) -> frozenset[str] | None:
+    """The start barrier (``Session.wait_for_nodes``): the active nodes of ``leases`` once they
+    are at least ``count`` (the observer included), else None. The view is the one rounds are
+    closed by, so every round after the barrier expects those nodes."""
+    active = leases.active(now=now, lease_timeout=lease_timeout)
+    return active if len(active) >= count else None
 
 
 def batch_share(global_batch: int | None, active: int) -> int | None:

@@ -40,7 +40,7 @@ from functools import lru_cache
 from typing import Any
 
 from gradientmail.core import effects as fx
-from gradientmail.core import join, keys, learner, polling, syncer
+from gradientmail.core import join, keys, learner, leases, polling, syncer
 from gradientmail.core.records import Manifest
 from specs.bugs import rules_for
 from specs.config import Config
@@ -261,7 +261,10 @@ def gathered(node: NodeState, config: Config) -> bool:
         return True
     assert node.syncer is not None
     view = node.syncer.state.keeper.view
-    return len(view.active(now=node.clock, lease_timeout=config.lease_timeout)) >= config.nodes
+    active = leases.gathered(
+        view, now=node.clock, lease_timeout=config.lease_timeout, count=config.nodes
+    )
+    return active is not None
 
 
 # -- the training side -------------------------------------------------------------------

@@ -19,7 +19,7 @@ from gradientmail._node.learner import LearnerLoop
 from gradientmail._node.syncer import SyncerLoop
 from gradientmail._node.training import Trainer
 from gradientmail.adapters import Adapter, Backend, backend_for, default_backend
-from gradientmail.core import gc, join, keys, polling, syncer
+from gradientmail.core import gc, join, keys, leases, polling, syncer
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.codecs import Compression
 from gradientmail.core.effects import Gather, Leave, Stop
@@ -279,10 +279,11 @@ class Node:
             self.handoff.raise_failure()
             now = self.clock.now()
             view = self.syncer.state.keeper.view
-            active = view.active(now=now, lease_timeout=self._lease_timeout)
-            if len(active) >= count:
+            active = leases.gathered(view, now=now, lease_timeout=self._lease_timeout, count=count)
+            if active is not None:
                 return active
             if now > deadline:
+                active = view.active(now=now, lease_timeout=self._lease_timeout)
                 raise ProtocolError(
                     f"wait_for_nodes: {len(active)} of {count} nodes active after {timeout} s "
                     f"({', '.join(sorted(active))}); are the others started on this run?"

@@ -117,6 +117,17 @@ def test_an_expired_left_node_is_neither_live_nor_active_but_still_left() -> Non
     assert leases.left() == {"b"}
 
 
+def test_the_start_barrier_counts_active_nodes_only() -> None:
+    view = poll(Leases(), {"a": ("v1", False, NA), "b": ("v2", True, NB)}, 0.0)
+    assert leases.gathered(view, now=1.0, lease_timeout=TIMEOUT, count=2) is None, "b left"
+    assert leases.gathered(view, now=1.0, lease_timeout=TIMEOUT, count=1) == {"a"}
+    view = poll(view, {"a": ("v1", False, NA), "b": ("v2", True, NB), "c": ("v3", False, NB)}, 2.0)
+    assert leases.gathered(view, now=2.0, lease_timeout=TIMEOUT, count=2) == {"a", "c"}
+    # a unchanged since 0.0: expired at the timeout, so the barrier no longer holds
+    view = poll(view, {"c": ("v4", False, NB)}, TIMEOUT)
+    assert leases.gathered(view, now=TIMEOUT, lease_timeout=TIMEOUT, count=2) is None
+
+
 def test_a_lease_missing_from_a_listing_is_kept_and_ages() -> None:
     # F1 of the simulator: a stale LIST without b used to expire b, a live claimant, at once.
     leases = poll(Leases(), {"a": ("v1", False, NA), "b": ("v1", False, NB)}, 0.0)
