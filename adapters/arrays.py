@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 from gradientmail.adapters import formats
 from gradientmail.adapters.base import Adapter, Tensors
 from gradientmail.adapters.kernels import Array, ArrayKernels, numel
+from gradientmail.core import fragments
 from gradientmail.core.errors import NonFinite
 from gradientmail.core.tensors import (
     DTYPES,
@@ -36,7 +37,7 @@ from gradientmail.core.tensors import (
     scale_name,
 )
 
-__all__ = ["ArrayBackend", "check_shapes", "matching", "plain_bytes"]
+__all__ = ["ArrayBackend", "check_shapes", "matching", "plain_bytes", "served"]
 
 
 class _OwnAdapter(Adapter, Protocol):
@@ -231,13 +232,14 @@ class ArrayBackend(ArrayKernels):
     ) -> None:
         formats.check_alpha(alpha)
         names = matching("merge", commit, since if alpha is None else None)
-        check_shapes("merge", adapter.schema, commit)
+        schema = served(adapter.schema, names)
+        check_shapes("merge", schema, commit)
         if isinstance(adapter, self._adapter_type):
             self._merge_live(adapter, names, commit, since, alpha)
             return
         live = self.load(adapter.read(names))
         merged = {n: self._merged(live[n], commit[n], since, alpha, n) for n in names}
-        adapter.write(self.dump(self.cast(merged, adapter.schema)))
+        adapter.write(self.dump(self.cast(merged, schema)))
 
     def _merged(
         self, live: Array, commit: Array, since: Tensors | None, alpha: float | None, name: str
@@ -387,6 +389,24 @@ def matching(what: str, *groups: Tensors | None) -> list[str]:
     if shapes:
         raise SchemaMismatch(shapes, f"{what}: the tensors differ in shape")
     return order
+
+
+def served(schema: Schema, names: Iterable[str]) -> Schema:
+    """The specs of ``names``: parameters of ``schema`` and row blocks of them
+    (``fragments.block``). ``SchemaMismatch`` names those that are neither, or blocks outside
+    their parameter's rows."""
+    names = list(names)
+    bad = []
+    for name in names:
+        found = fragments.block(name, schema)
+        if found is None:
+            if name not in schema:
+                bad.append(name)
+        elif not (schema[found[0]].shape and found[2] <= schema[found[0]].shape[0]):
+            bad.append(name)
+    if bad:
+        raise SchemaMismatch(sorted(bad), "not trainable parameters of the model, nor row blocks")
+    return fragments.fragment_schema(schema, names)
 
 
 def check_shapes(what: str, schema: Schema, tensors: Tensors) -> None:

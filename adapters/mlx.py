@@ -20,15 +20,15 @@ import mlx.utils
 import numpy as np
 
 from gradientmail.adapters import formats
-from gradientmail.adapters.arrays import ArrayBackend, plain_bytes
+from gradientmail.adapters.arrays import ArrayBackend, plain_bytes, served
 from gradientmail.adapters.base import Tensors
+from gradientmail.core import fragments
 from gradientmail.core.tensors import (
     F4_BLOCK,
     DType,
     ParameterSpec,
     PayloadDType,
     Schema,
-    SchemaMismatch,
     TensorBytes,
     validate,
 )
@@ -61,6 +61,10 @@ class MLXAdapter:
     ``tree_flatten`` names them (``layers.0.weight``). The set is fixed when the adapter is
     made."""
 
+    row_blocks = True
+    """Serves row blocks of its parameters (``core.fragments``): a run it creates may split a
+    large parameter across fragments."""
+
     def __init__(self, module: Any) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"MLXAdapter takes an mlx.nn.Module, not {type(module).__name__}")
@@ -81,24 +85,51 @@ class MLXAdapter:
         return self._schema
 
     def tensors(self, names: Iterable[str]) -> dict[str, Any]:
-        """The model's current arrays, by name."""
+        """The model's current arrays, by name; a row block (``name[start:stop]``,
+        ``core.fragments``) is those rows of its parameter."""
         names = list(names)
         unknown = [name for name in names if name not in self._schema]
         if unknown:
-            raise SchemaMismatch(unknown, "not trainable parameters of the model")
+            served(self._schema, unknown)  # raises unless every one is a row block
         current = dict(_utils.tree_flatten(self.module.parameters()))
-        return {name: current[name] for name in names}
+        out = {}
+        for name in names:
+            found = fragments.block(name, self._schema)
+            if found is None:
+                out[name] = current[name]
+            else:
+                parent, start, stop = found
+                out[name] = current[parent][start:stop]
+        return out
 
     def read(self, names: Sequence[str]) -> dict[str, TensorBytes]:
         return {name: _to_bytes(array) for name, array in self.tensors(names).items()}
 
     def write(self, tensors: Mapping[str, TensorBytes]) -> None:
-        validate(self._schema, tensors, tensors)
+        validate(served(self._schema, tensors), tensors, tensors)
         self.update(_evaluated({name: _from_bytes(value) for name, value in tensors.items()}))
 
     def update(self, arrays: Mapping[str, Any]) -> None:
-        """Replace the named parameters with ``arrays``, keeping the tree's paths."""
-        self.module.update(_utils.tree_unflatten(list(arrays.items())))
+        """Replace the named parameters (or row blocks of them) with ``arrays``, keeping the
+        tree's paths. A block's parameter becomes a new array with those rows replaced."""
+        whole: dict[str, Any] = {}
+        rows: dict[str, list[tuple[int, int, Any]]] = {}
+        for name, array in arrays.items():
+            found = fragments.block(name, self._schema)
+            if found is None:
+                whole[name] = array
+            else:
+                rows.setdefault(found[0], []).append((found[1], found[2], array))
+        if rows:
+            current = dict(_utils.tree_flatten(self.module.parameters()))
+            for parent, blocks in rows.items():
+                # A new handle: an in-place update must not reach arrays captured from it.
+                updated = mx.array(whole[parent] if parent in whole else current[parent])
+                for start, stop, array in blocks:
+                    updated[start:stop] = array
+                whole[parent] = updated
+            mx.eval(list(whole.values()))
+        self.module.update(_utils.tree_unflatten(list(whole.items())))
 
 
 class MLXBackend(ArrayBackend):
@@ -135,7 +166,7 @@ class MLXBackend(ArrayBackend):
     ) -> None:
         live = adapter.tensors(names)
         merged = {n: self._merged(live[n], commit[n], since, alpha, n) for n in names}
-        adapter.update(self.cast(merged, adapter.schema))
+        adapter.update(self.cast(merged, served(adapter.schema, names)))
 
     def _evaluated(self, tensors: Tensors) -> Tensors:
         return _evaluated(tensors)

@@ -24,15 +24,15 @@ import numpy as np
 import torch
 
 from gradientmail.adapters import formats
-from gradientmail.adapters.arrays import ArrayBackend, plain_bytes
+from gradientmail.adapters.arrays import ArrayBackend, plain_bytes, served
 from gradientmail.adapters.base import Tensors
+from gradientmail.core import fragments
 from gradientmail.core.tensors import (
     F4_BLOCK,
     DType,
     ParameterSpec,
     PayloadDType,
     Schema,
-    SchemaMismatch,
     TensorBytes,
     validate,
 )
@@ -92,6 +92,10 @@ class TorchAdapter:
     at all. The set is fixed when the adapter is made.
     """
 
+    row_blocks = True
+    """Serves row blocks of its parameters (``core.fragments``): a run it creates may split a
+    large parameter across fragments."""
+
     def __init__(self, module: torch.nn.Module) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"TorchAdapter takes a torch.nn.Module, not {type(module).__name__}")
@@ -116,21 +120,33 @@ class TorchAdapter:
         return self._schema
 
     def tensors(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        """The live parameters themselves (not copies), by name."""
+        """The live parameters themselves (not copies), by name; a row block
+        (``name[start:stop]``, ``core.fragments``) is a view of its parameter's rows, so
+        writing it in place writes the parameter."""
         names = list(names)
         unknown = [name for name in names if name not in self._live]
         if unknown:
-            raise SchemaMismatch(unknown, "not trainable parameters of the model")
-        return {name: self._live[name] for name in names}
+            served(self._schema, unknown)  # raises unless every one is a row block
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            live = self._live.get(name)
+            if live is None:
+                found = fragments.block(name, self._schema)
+                assert found is not None
+                parent, start, stop = found
+                out[name] = self._live[parent].detach()[start:stop]
+            else:
+                out[name] = live
+        return out
 
     def read(self, names: Sequence[str]) -> dict[str, TensorBytes]:
         return {name: _to_bytes(t) for name, t in self.tensors(names).items()}
 
     def write(self, tensors: Mapping[str, TensorBytes]) -> None:
-        validate(self._schema, tensors, tensors)
+        validate(served(self._schema, tensors), tensors, tensors)
         with torch.no_grad():
-            for name, value in tensors.items():
-                self._live[name].copy_(_from_bytes(value))
+            for name, live in self.tensors(tensors).items():
+                live.copy_(_from_bytes(tensors[name]))
 
 
 class _Captured(dict[str, torch.Tensor]):

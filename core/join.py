@@ -46,7 +46,7 @@ from gradientmail.core.effects import (
     WriteInit,
 )
 from gradientmail.core.errors import ProtocolError, SchemaMismatch
-from gradientmail.core.fragments import partition
+from gradientmail.core.fragments import Partition, partition
 from gradientmail.core.identity import IDENTITY_WAIT, conflict, derived
 from gradientmail.core.learner import LearnerState
 from gradientmail.core.polling import PollState
@@ -117,8 +117,9 @@ def check_schema(run: Schema, ours: Schema) -> None:
 @attrs.frozen(kw_only=True)
 class Settings:
     """What a joining node brings: its id and process nonce, its model's schema, its
-    algorithm, a fragment mapping (used only when it creates the run), whether it holds a
-    secret, and its lease interval (seconds).
+    algorithm, a fragment mapping and whether its adapter serves row blocks (``split``; both
+    used only when it creates the run: ``fragments.partition``), whether it holds a secret,
+    and its lease interval (seconds).
 
     A reader (``align``, ``status``, ``gc``, ``audit``) joins nothing: ``algorithm`` None
     means it never creates the run nor checks its identity, ``schema`` None that it brings no
@@ -130,6 +131,7 @@ class Settings:
     schema: Schema | None
     algorithm: DiLoCo | None
     mapping: Mapping[str, int] | None = None
+    split: bool = False
     signed: bool = False
     lease_every: float = 50.0
     newest: bool = True
@@ -228,10 +230,17 @@ def _manifest(
 
 def _create(state: JoinState, settings: Settings) -> tuple[JoinState, list[Effect]]:
     assert settings.schema is not None and settings.algorithm is not None
-    groups = partition(settings.schema, settings.algorithm.fragments, settings.mapping)
+    groups = _partition(settings)
     writes: list[Effect] = [WriteInit(fragment=k, names=names) for k, names in enumerate(groups)]
     state = attrs.evolve(state, phase="create", init=(None,) * len(groups))
     return state, writes
+
+
+def _partition(settings: Settings) -> Partition:
+    assert settings.schema is not None and settings.algorithm is not None
+    return partition(
+        settings.schema, settings.algorithm.fragments, settings.mapping, split=settings.split
+    )
 
 
 def _init(
@@ -249,7 +258,7 @@ def _init(
         creator=settings.node,
         schema=settings.schema,
         algorithm=settings.algorithm,
-        fragments=partition(settings.schema, settings.algorithm.fragments, settings.mapping),
+        fragments=_partition(settings),
         init=refs,
         signed=settings.signed,
     )

@@ -18,7 +18,7 @@ import attrs
 from gradientmail.core import keys
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.errors import FormatError
-from gradientmail.core.fragments import Partition
+from gradientmail.core.fragments import Partition, fragment_schema
 from gradientmail.core.signing import SIGNATURE_FIELD, Keyring
 from gradientmail.core.tensors import Schema
 
@@ -150,7 +150,7 @@ class Manifest:
     @cached_property
     def _fragment_schemas(self) -> tuple[Schema, ...]:
         # Built once: a closer and its learner ask for one every round.
-        return tuple(self.schema.subset(names) for names in self.fragments)
+        return tuple(fragment_schema(self.schema, names) for names in self.fragments)
 
     def to_json(self) -> dict[str, Any]:
         return {

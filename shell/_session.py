@@ -121,7 +121,9 @@ class Session:
         What receives the node's events; one that raises is logged and ignored.
     fragment_mapping
         Parameter name to fragment index, overriding the strided partition (used only by the
-        node that creates the run).
+        node that creates the run). Without it, a torch or MLX model's large parameters outside
+        the layers (a token embedding) are cut into row blocks that even the fragments' bytes
+        (``core.fragments``).
     keep_rounds
         Rounds of each fragment whose payloads stay in the mailbox after a newer commit
         (garbage collection, Decision 7); None keeps everything (for audits).

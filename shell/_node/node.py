@@ -132,6 +132,7 @@ class Node:
             schema=self.adapter.schema,
             algorithm=self.algorithm,
             mapping=self._mapping,
+            split=bool(getattr(self.adapter, "row_blocks", False)),
             signed=self.exchange.keyring is not None,
             lease_every=self._lease_every,
             rules=self._rules,

@@ -369,3 +369,44 @@ def test_importing_the_package_imports_no_framework() -> None:
         "assert a.Adapter and a.adapter_for\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("make", [torch_transformer, mlx_transformer], ids=["torch", "mlx"])
+def test_row_blocks_read_capture_merge_and_write_only_their_rows(make: Any) -> None:
+    # The tied embedding is the parameter a split run cuts into row blocks (core.fragments).
+    model = make()
+    adapter = adapter_for(model)
+    backend = backend_for(model)
+    assert getattr(adapter, "row_blocks", False)
+    whole = np.frombuffer(adapter.read(["embed.weight"])["embed.weight"].data, np.float32)
+    whole = whole.reshape(VOCAB, WIDTH).copy()
+    names = ["embed.weight[0:20]", "embed.weight[20:61]"]
+    read = adapter.read(names)
+    assert read[names[1]].shape == (41, WIDTH)
+    assert np.array_equal(np.frombuffer(read[names[1]].data, np.float32), whole[20:].ravel())
+
+    captured = backend.capture(adapter, names[1:])
+    backend.ready(captured)
+    commit = {names[1]: backend.load({"c": _f32(np.full((41, WIDTH), 2.0))})["c"]}
+    backend.merge(adapter, commit, since=None, alpha=None)
+    after = np.frombuffer(adapter.read(["embed.weight"])["embed.weight"].data, np.float32)
+    after = after.reshape(VOCAB, WIDTH)
+    assert np.array_equal(after[:20], whole[:20]), "rows outside the block are untouched"
+    assert (after[20:] == 2.0).all()
+    captured_rows = backend.dump(captured)[names[1]]
+    assert np.array_equal(np.frombuffer(captured_rows.data, np.float32), whole[20:].ravel())
+
+    adapter.write({names[0]: _f32(np.full((20, WIDTH), -1.0))})
+    after = np.frombuffer(adapter.read(["embed.weight"])["embed.weight"].data, np.float32)
+    assert (after.reshape(VOCAB, WIDTH)[:20] == -1.0).all()
+    assert (after.reshape(VOCAB, WIDTH)[20:] == 2.0).all()
+    with pytest.raises(SchemaMismatch) as caught:
+        adapter.read(["embed.weight[0:62]"])
+    assert caught.value.names == ("embed.weight[0:62]",)
+    with pytest.raises(SchemaMismatch):
+        adapter.write({names[0]: _f32(np.zeros((21, WIDTH)))})
+
+
+def _f32(values: np.ndarray[Any, Any]) -> TensorBytes:
+    array = np.ascontiguousarray(values, np.float32)
+    return TensorBytes(dtype="F32", shape=array.shape, data=array.tobytes())

@@ -188,3 +188,108 @@ def test_check_refuses_a_partition_that_does_not_split_the_schema(
 def test_a_superscript_digit_segment_is_not_a_layer() -> None:
     s = schema("h.\u00b2.w")
     assert partition(s, 1) == (("h.\u00b2.w",),)
+
+
+def gpt2_like(layers: int = 12, vocab: int = 50257, width: int = 768) -> Schema:
+    """A GPT-2's parameter shapes: its tied token embedding is 31% of the model at 124M."""
+    specs = [
+        ParameterSpec(name="wte.weight", dtype="F32", shape=(vocab, width)),
+        ParameterSpec(name="wpe.weight", dtype="F32", shape=(1024, width)),
+        ParameterSpec(name="ln_f.weight", dtype="F32", shape=(width,)),
+    ]
+    for i in range(layers):
+        specs += [
+            ParameterSpec(name=f"h.{i}.attn.w", dtype="F32", shape=(width, 3 * width)),
+            ParameterSpec(name=f"h.{i}.mlp.w", dtype="F32", shape=(width, 8 * width)),
+            ParameterSpec(name=f"h.{i}.ln.weight", dtype="F32", shape=(width,)),
+        ]
+    return Schema.of(specs)
+
+
+def loads(s: Schema, groups: fragments.Partition) -> list[int]:
+    return [fragments.fragment_schema(s, g).nbytes() for g in groups]
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 8])
+def test_split_cuts_a_large_embedding_into_row_blocks_that_even_the_fragments(k: int) -> None:
+    s = gpt2_like()
+    uneven = loads(s, partition(s, k))
+    groups = partition(s, k, split=True)
+    even = loads(s, groups)
+    assert sum(even) == s.nbytes()
+    assert max(uneven) > 1.3 * s.nbytes() / k, "whole, the embedding unbalances the fragments"
+    assert max(even) <= -(-s.nbytes() // k) + s["wpe.weight"].nbytes, even
+    blocks = [n for g in groups for n in g if n.startswith("wte.weight[")]
+    assert len(blocks) >= 2 and "wte.weight" not in {n for g in groups for n in g}
+    fragments.check(s, groups)
+    shapes = fragments.fragment_schema(s, blocks)
+    assert sum(p.shape[0] for p in shapes.parameters) == 50257
+    assert all(p.shape[1:] == (768,) for p in shapes.parameters)
+
+
+def test_split_leaves_small_and_one_dimensional_parameters_whole() -> None:
+    s = transformer(4)  # every parameter 1-D
+    assert partition(s, 2, split=True) == partition(s, 2)
+    assert partition(gpt2_like(), 1, split=True) == (gpt2_like().names,)
+
+
+def test_a_mapping_is_used_as_given_even_when_split_is_asked() -> None:
+    s = schema("a", "b", "c")
+    assert partition(s, 2, {"a": 1, "b": 0, "c": 1}, split=True) == (("b",), ("a", "c"))
+
+
+@pytest.mark.parametrize(
+    "groups",
+    [
+        (("w[0:3]",), ("w[3:9]",)),  # rows 9 and 10 missing
+        (("w[0:5]",), ("w[4:10]",)),  # overlapping
+        (("w[0:5]", "w"), ("w[5:10]",)),  # whole and blocks
+        (("w[0:10]",), ("w[0:10]",)),  # twice
+        (("w[0:05]",), ("w[5:10]",)),  # not canonical: not a block of w
+    ],
+)
+def test_check_refuses_row_blocks_that_do_not_cover_the_rows_once(
+    groups: fragments.Partition,
+) -> None:
+    s = Schema.of([ParameterSpec(name="w", dtype="F32", shape=(10, 2))])
+    with pytest.raises(ValueError, match=r"does not split|cover"):
+        fragments.check(s, groups)
+
+
+def test_a_block_names_its_rows_and_a_schema_name_always_means_the_whole_parameter() -> None:
+    s = Schema.of(
+        [
+            ParameterSpec(name="w", dtype="BF16", shape=(10, 2)),
+            ParameterSpec(name="v[0:1]", dtype="F32", shape=(3,)),
+        ]
+    )
+    assert fragments.block("w[2:7]", s) == ("w", 2, 7)
+    assert fragments.block("v[0:1]", s) is None, "a real parameter of that name"
+    assert fragments.block("x[0:1]", s) is None
+    spec = fragments.fragment_schema(s, ["w[2:7]"])["w[2:7]"]
+    assert (spec.dtype, spec.shape) == ("BF16", (5, 2))
+    with pytest.raises(ValueError, match="outside"):
+        fragments.fragment_schema(s, ["w[2:11]"])
+
+
+@given(
+    st.integers(1, 6),
+    st.lists(st.integers(2, 400), min_size=1, max_size=4),
+    st.integers(1, 8),
+)
+def test_split_partitions_cover_every_row_once_and_are_deterministic(
+    layers: int, rows: list[int], k: int
+) -> None:
+    specs = [ParameterSpec(name=f"layers.{i}.w", dtype="F32", shape=(8, 8)) for i in range(layers)]
+    specs += [
+        ParameterSpec(name=f"extra{j}", dtype="F16", shape=(r, 3)) for j, r in enumerate(rows)
+    ]
+    s = Schema.of(specs)
+    try:
+        groups = partition(s, k, split=True)
+    except ValueError as exc:
+        assert "would hold no parameters" in str(exc)
+        return
+    fragments.check(s, groups)
+    assert partition(Schema.of(reversed(specs)), k, split=True) == groups
+    assert sum(loads(s, groups)) == s.nbytes()
