@@ -180,6 +180,8 @@ def _session_loop(args: argparse.Namespace, model: Any, train_step: Any) -> dict
             longest = max(longest, spent)
             over += spent > 0.1
     seconds = time.perf_counter() - start
+    # The peak while training, apart from close() (which publishes every fragment at once).
+    training_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t = time.perf_counter()
     session.close()
     close_seconds = time.perf_counter() - t
@@ -193,6 +195,7 @@ def _session_loop(args: argparse.Namespace, model: Any, train_step: Any) -> dict
         "step_max": longest,
         "steps_over_100ms": over,
         "close": close_seconds,
+        "training_peak_rss": training_peak,
         "latencies": latencies,
         "snapshot_bytes": sizes,
         # a snapshot of every fragment once: the bytes one full round of deltas takes
@@ -313,6 +316,11 @@ def report(
     for s in session:
         lat = s["latencies"]
         sizes = s["snapshot_bytes"]
+        print(
+            f"node{s['rank']}: peak RSS before close() {s['training_peak_rss'] / GiB:.2f} GiB: "
+            f"extra {(s['training_peak_rss'] - plain_peak) / f32:.2f}x the F32 parameters "
+            "(close() publishes every fragment at once)"
+        )
         if lat:
             print(
                 f"node{s['rank']}: publish to commit {min(lat):.2f}-{max(lat):.2f} s "

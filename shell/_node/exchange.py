@@ -93,8 +93,11 @@ def _jitter(node: str, key: str, attempt: int) -> float:
     return 0.5 + int.from_bytes(digest, "big") / 2**33
 
 
-WRITTEN_CACHE_BYTES = 256 * 2**20
-"""Default bytes of tensor data an ``Exchange`` remembers of the payloads it wrote."""
+WRITTEN_CACHE_BYTES = 64 * 2**20
+"""Default bytes of tensor data an ``Exchange`` remembers of the payloads it wrote (and the
+budget of the outer state a closer keeps between its closes). 256 MiB until session 14: at
+GPT-2 124M and K=4 that kept two fragments' momentum, half the model's F32 bytes in memory,
+for no measured gain in publish-to-commit on a directory mailbox (docs/decisions.md)."""
 
 T = TypeVar("T")
 R = TypeVar("R")
