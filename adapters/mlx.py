@@ -147,6 +147,10 @@ class MLXBackend(ArrayBackend):
     def __repr__(self) -> str:
         return "MLXBackend()"
 
+    spills_base = True
+    """A node keeps its fragments' base in a file by default: MLX's arrays share the host's
+    memory (``Session(spill_base=...)``)."""
+
     def ready(self, tensors: Tensors) -> None:
         mx.eval(list(tensors.values()))
 

@@ -177,6 +177,12 @@ class TorchBackend(ArrayBackend):
     def __repr__(self) -> str:
         return f"TorchBackend(device={str(self.device)!r})"
 
+    @property
+    def spills_base(self) -> bool:
+        """Whether a node keeps its fragments' base in a file by default: on the CPU, where it
+        shares the model's memory (``Session(spill_base=...)``)."""
+        return self.device.type == "cpu"
+
     def ready(self, tensors: Tensors) -> None:
         event = getattr(tensors, "event", None)
         if event is None:

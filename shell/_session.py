@@ -142,6 +142,14 @@ class Session:
         timeouts, 5xx, throttling) before the node stops with ``StoreUnavailable``; until
         then it is retried with capped backoff (``Retried`` events), and training goes on up
         to the overlap bound. 1800 by default.
+    spill_base, spill_dir
+        Whether the node keeps each fragment's base (the newest merged commit, which every
+        delta is measured from: one F32 copy of the model) in an anonymous file in
+        ``spill_dir`` (the system's temporary directory by default) instead of memory. The
+        page cache holds it while memory is free; the file is unlinked at once, so nothing is
+        left behind. None (the default) spills on the CPU (torch's CPU device, MLX) and keeps
+        a CUDA base on its device. Put ``spill_dir`` on a disk, not a tmpfs, or the base
+        stays in memory.
     """
 
     def __init__(
@@ -166,6 +174,8 @@ class Session:
         secret_file: str | os.PathLike[str] | None = None,
         outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
         outage_timeout: float = DEFAULT_OUTAGE,
+        spill_base: bool | None = None,
+        spill_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self._mailbox = mailbox
         self._on_event = combined(*callbacks)
@@ -188,6 +198,8 @@ class Session:
             keyring=keyring_from(secret, secret_file),
             outlier_factor=outlier_factor,
             outage_timeout=outage_timeout,
+            spill_base=spill_base,
+            spill_dir=None if spill_dir is None else os.fspath(spill_dir),
         )
         self._lease_timeout = lease_timeout
         self._close_timeout = close_timeout

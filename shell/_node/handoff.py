@@ -11,6 +11,7 @@ from collections import deque
 import attrs
 
 from gradientmail._clock import Bell
+from gradientmail._node.spill import Base, SpilledBase
 from gradientmail.adapters.base import Tensors
 from gradientmail.core.effects import Publish
 from gradientmail.core.records import Commit
@@ -28,18 +29,22 @@ class Job:
 
     publish: Publish
     nonce: str
-    base: Tensors
+    base: Base
     captured: Tensors
 
 
 @attrs.frozen(kw_only=True, eq=False)
 class Ready:
-    """A commit to merge at the next step boundary, its parameters, and every ``(node,
-    nonce)`` it, or a commit skipped to reach it, counted."""
+    """A commit to merge at the next step boundary, its parameters, every ``(node, nonce)``
+    it, or a commit skipped to reach it, counted, and its parameters as the next base."""
 
     commit: Commit
     tensors: Tensors
     counted: frozenset[tuple[str, str]]
+    base: SpilledBase | None = None
+    """The commit's parameters as the fragment's next base, when the node keeps its base in a
+    file (``spill``): written there on the learner loop's thread, so the training thread only
+    swaps which file it points to."""
 
 
 class Handoff:

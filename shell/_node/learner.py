@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gradientmail._events import Callback, Published, Rejected
+from gradientmail._node import spill
 from gradientmail._node.drive import Inbox, Loop
 from gradientmail._node.exchange import Exchange
 from gradientmail._node.handoff import Handoff, Handover, Job, OwnSnapshot, Ready
@@ -89,8 +90,12 @@ class LearnerLoop(Loop[polling.PollState]):
         inbox: Inbox,
         syncer: Inbox,
         on_event: Callback,
+        spill_base: bool = False,
+        spill_dir: str | None = None,
     ) -> None:
         self.settings = settings
+        self._spills = spill_base
+        self._spill_dir = spill_dir
         self.state = state
         self.inbox = inbox
         self._exchange = exchange
@@ -130,7 +135,7 @@ class LearnerLoop(Loop[polling.PollState]):
             return None
         publish, k = job.publish, job.publish.fragment
         self._backend.ready(job.captured)
-        delta = self._backend.delta(job.base, job.captured, self._residual[k])
+        delta = spill.delta(self._backend, job.base, job.captured, self._residual[k])
         payload, residual = self._backend.encode(delta, self._algorithm.quantization)
         if self._algorithm.quantization is not None:
             self._residual[k] = residual
@@ -202,7 +207,9 @@ class LearnerLoop(Loop[polling.PollState]):
     async def _deliver(self, deliver: Deliver) -> None:
         commit, tensors = self._params.pop(deliver.commit.fragment)
         assert commit == deliver.commit
-        self._handoff.deliver(Ready(commit=commit, tensors=tensors, counted=deliver.counted))
+        base = spill.spill(self._backend, tensors, self._spill_dir) if self._spills else None
+        ready = Ready(commit=commit, tensors=tensors, counted=deliver.counted, base=base)
+        self._handoff.deliver(ready)
 
     async def _seen(self, seen: Seen) -> None:
         self._syncer.put(seen)

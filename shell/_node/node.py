@@ -11,6 +11,7 @@ from typing import Any
 
 from gradientmail._clock import Clock
 from gradientmail._events import Callback, Failed, Joined, Stalled, log_events
+from gradientmail._node import spill
 from gradientmail._node.drive import Inbox
 from gradientmail._node.exchange import DEFAULT_OUTAGE, Exchange, new_nonce
 from gradientmail._node.handoff import Handoff, Handover
@@ -19,6 +20,7 @@ from gradientmail._node.learner import LearnerLoop
 from gradientmail._node.syncer import SyncerLoop
 from gradientmail._node.training import Trainer
 from gradientmail.adapters import Adapter, Backend, backend_for, default_backend
+from gradientmail.adapters.base import Tensors
 from gradientmail.core import gc, join, keys, leases, polling, syncer
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.codecs import Compression
@@ -65,6 +67,8 @@ class Node:
         keyring: Keyring | None = None,
         outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
         outage_timeout: float = DEFAULT_OUTAGE,
+        spill_base: bool | None = None,
+        spill_dir: str | None = None,
         nonces: Callable[[], str] = new_nonce,
         rules: Rules = RULES,
     ) -> None:
@@ -93,6 +97,8 @@ class Node:
             backend = default_backend() if isinstance(model, Adapter) else backend_for(model)
         self.backend = backend
         self.adapter = adapter_of(model, backend)
+        self._spills = spill.spills(backend) if spill_base is None else spill_base
+        self._spill_dir = spill_dir
         self.algorithm = algorithm
         self.node = learner_id
         self.clock = clock
@@ -149,7 +155,7 @@ class Node:
         loaded = [joiner.loaded[k] for k in range(self.algorithm.fragments)]
         for found in loaded:
             self.adapter.write(found)
-        base = [self.backend.load(found) for found in loaded]
+        base = [self._base_of(self.backend.load(found)) for found in loaded]
         self._build(state, base)
         self.on_event(
             Joined(
@@ -158,6 +164,12 @@ class Node:
                 rounds=tuple(c.round if c else -1 for c in state.newest),
             )
         )
+
+    def _base_of(self, tensors: Tensors) -> spill.Base:
+        """A fragment's base as this node keeps it: in a file when it spills (``spill``)."""
+        if not self._spills:
+            return tensors
+        return spill.spill(self.backend, tensors, self._spill_dir)
 
     def _build(self, state: JoinState, base: list[Any]) -> None:
         manifest = state.manifest
@@ -193,6 +205,8 @@ class Node:
             inbox=learner_inbox,
             syncer=syncer_inbox,
             on_event=self.on_event,
+            spill_base=self._spills,
+            spill_dir=self._spill_dir,
         )
         self.syncer = SyncerLoop(
             settings=syncer.Settings(

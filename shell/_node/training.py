@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 from gradientmail._events import Callback, Merged, Rebased
 from gradientmail._node.drive import Inbox
-from gradientmail._node.handoff import Handoff, Job
+from gradientmail._node.handoff import Handoff, Job, Ready
+from gradientmail._node.spill import Base, SpilledBase
 from gradientmail.adapters.base import Adapter, Backend, Tensors
 from gradientmail.core import learner
 from gradientmail.core.effects import Captured, Merge, Publish
@@ -31,7 +32,7 @@ class Trainer:
         manifest: Manifest,
         node: str,
         state: learner.LearnerState,
-        base: Sequence[Tensors],
+        base: Sequence[Base],
         handoff: Handoff,
         loop: Inbox,
         on_event: Callback,
@@ -48,7 +49,7 @@ class Trainer:
         self._loop = loop
         self._on_event = on_event
         self._rules = rules
-        self._base = list(base)
+        self._base: list[Base] = list(base)
         self._captured: list[Tensors | None] = [None] * self.algorithm.fragments
         self.steps = 0  # inner steps counted by this process
         self._captured_at = [0] * self.algorithm.fragments
@@ -90,13 +91,13 @@ class Trainer:
             self.state, effects = self._rules.on_commit(
                 self.state, self.algorithm, round=r, included=included
             )
-            self._execute(effects, ready.tensors)
+            self._execute(effects, ready)
 
-    def _execute(self, effects: Sequence[learner.Effect], commit: Tensors | None) -> None:
+    def _execute(self, effects: Sequence[learner.Effect], ready: Ready | None) -> None:
         for effect in effects:
             if isinstance(effect, Merge):
-                assert commit is not None
-                self._merge(effect, commit)
+                assert ready is not None
+                self._merge(effect, ready)
             elif isinstance(effect, Rebase):
                 self._handoff.drop_residual(effect.fragment)
                 self._on_event(
@@ -110,17 +111,21 @@ class Trainer:
             else:
                 self._capture(effect)
 
-    def _merge(self, merge: Merge, commit: Tensors) -> None:
-        k = merge.fragment
+    def _merge(self, merge: Merge, ready: Ready) -> None:
+        k, commit = merge.fragment, ready.tensors
         since = self._captured[k] if merge.since == "snapshot" else self._base[k]
         # With alpha the commit is mixed into the live parameters; ``since`` is not used.
-        self._backend.merge(
-            self._adapter,
-            commit,
-            since=None if merge.alpha is not None else since,
-            alpha=merge.alpha,
-        )
-        self._base[k] = commit
+        if merge.alpha is not None:
+            self._backend.merge(self._adapter, commit, since=None, alpha=merge.alpha)
+        elif isinstance(since, SpilledBase):
+            # A rebase onto a base kept in a file: one tensor of it in memory at a time.
+            for name in commit:
+                self._backend.merge(
+                    self._adapter, {name: commit[name]}, since={name: since[name]}, alpha=None
+                )
+        else:
+            self._backend.merge(self._adapter, commit, since=since, alpha=None)
+        self._base[k] = ready.base if ready.base is not None else commit
         self._captured[k] = None
         self.rounds_seen = max(self.rounds_seen, merge.round)
         # Steps the commit overlapped: since this fragment's capture; none when it merges on

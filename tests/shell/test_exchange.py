@@ -14,6 +14,7 @@ import pytest
 
 from gradientmail._clock import MonotonicClock
 from gradientmail._node.exchange import Exchange
+from gradientmail._node.spill import SpilledBase
 from gradientmail.core import keys
 from gradientmail.core.codecs import compress
 from gradientmail.core.envelope import payload_digest
@@ -200,10 +201,14 @@ def test_a_tampered_snapshot_is_checked_and_refused_by_its_writer_too() -> None:
     asyncio.run(main())
 
 
-def test_a_lone_node_remembers_only_the_newest_commit_of_each_fragment(tmp_path: Path) -> None:
+@pytest.mark.parametrize("spill_base", [False, True])
+def test_a_lone_node_remembers_only_the_newest_commit_of_each_fragment(
+    tmp_path: Path, spill_base: bool
+) -> None:
     """A closer keeps the outer state of the newest commit of each fragment, and the exchange
     forgets what each commit supersedes, so a long run holds one momentum per fragment (its
-    master is the learner's base) and no payload of every round's."""
+    master is the learner's base, when the base is in memory) and no payload of every
+    round's. A base kept in a file (``spill_base``) holds the fragment's parameters there."""
     pytest.importorskip("torch")
     from virtual_run import drift, make_model
 
@@ -219,15 +224,24 @@ def test_a_lone_node_remembers_only_the_newest_commit_of_each_fragment(tmp_path:
         lease_every=1.0,
         lease_timeout=3.0,
         callbacks=(),
+        spill_base=spill_base,
+        spill_dir=tmp_path,
     ) as session:
         drift(model, session, 48)
     assert session.rounds_seen >= 16
     node = session._node  # the Session's own runtime
-    assert node.syncer is not None
+    assert node.syncer is not None and node.trainer is not None
     kept = node.syncer._kept
     assert sorted(kept) == [0, 1]
     assert all(k.momentum is not None and k.master is None for k in kept.values())
-    assert all(k.base() is not None for k in kept.values()), "the learner's base, shared"
+    bases = node.trainer._base
+    if spill_base:
+        assert all(isinstance(b, SpilledBase) for b in bases)
+        assert sum(b.nbytes for b in bases if isinstance(b, SpilledBase)) == model_bytes
+        assert all(k.base() is None for k in kept.values()), "no tensors left to share"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["run"], "the files are unlinked"
+    else:
+        assert all(k.base() is not None for k in kept.values()), "the learner's base, shared"
     assert node.syncer._held() == model_bytes  # one F32 momentum of each fragment
     assert node.exchange.remembered_bytes <= model_bytes
 

@@ -1,0 +1,122 @@
+"""A fragment's base kept in a file instead of memory (#19).
+
+The learner measures every delta from the fragment's newest merged commit (its *base*) and
+rebases onto it, so a node holds one F32 copy of the whole model besides the model itself:
+1.0x the model's bytes, the largest thing a Session holds. A ``SpilledBase`` keeps those
+tensors in an anonymous temporary file instead (created, written and unlinked at once, so
+nothing is left behind when the process ends, however it ends): the kernel's page cache
+holds them while memory is free and drops them when it is not, and a read costs a tensor's
+bytes for as long as one delta or merge needs them.
+
+Written on the learner loop's thread, before the commit is delivered (the training thread
+only swaps which base it points to), and read on the learner loop's thread (a delta) or the
+training thread (a rebase, which merges since the base). A file is never written after it is
+made, so the two threads read it without a lock; it is closed when no one holds it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import attrs
+
+from gradientmail.adapters.base import Backend, Tensors
+from gradientmail.core.errors import SchemaMismatch
+from gradientmail.core.tensors import PayloadDType, TensorBytes
+
+__all__ = ["Base", "SpilledBase", "delta", "spill", "spills"]
+
+
+@attrs.frozen
+class _Entry:
+    dtype: PayloadDType
+    shape: tuple[int, ...]
+    offset: int
+    size: int
+
+
+class SpilledBase(Mapping[str, Any]):
+    """A fragment's base tensors in an anonymous file; ``base[name]`` reads one back as a
+    backend tensor (a new one, each time)."""
+
+    def __init__(self, backend: Backend, fd: int, entries: dict[str, _Entry]) -> None:
+        self._backend = backend
+        self._fd = fd
+        self._entries = entries
+        self._closer = weakref.finalize(self, os.close, fd)
+
+    def __getitem__(self, name: str) -> Any:
+        entry = self._entries[name]
+        parts = []
+        done = 0
+        while done < entry.size:  # one read, but for reads the kernel cuts short
+            part = os.pread(self._fd, entry.size - done, entry.offset + done)
+            if not part:
+                raise OSError(f"the spilled base of {name!r} ended early")
+            parts.append(part)
+            done += len(part)
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        value = TensorBytes(dtype=entry.dtype, shape=entry.shape, data=data)
+        return self._backend.load({name: value})[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.size for e in self._entries.values())
+
+
+Base = Tensors | SpilledBase
+"""A fragment's base as a node keeps it: tensors in memory, or a file."""
+
+
+def spills(backend: Backend) -> bool:
+    """Whether a node with ``backend`` keeps its base in a file by default: what the backend
+    says (``spills_base``: torch on the CPU, and MLX, where the base competes with the model
+    for the same memory). A CUDA backend keeps it on its device (Decision 10's pinned host
+    copy is not built), and a backend that does not say keeps it in memory."""
+    return bool(getattr(backend, "spills_base", False))
+
+
+def spill(backend: Backend, tensors: Tensors, directory: str | None = None) -> SpilledBase:
+    """``tensors`` written to a new anonymous file in ``directory`` (the system's temporary
+    directory when None)."""
+    fd, path = tempfile.mkstemp(prefix="gradientmail-base-", dir=directory)
+    try:
+        os.unlink(path)
+        entries: dict[str, _Entry] = {}
+        offset = 0
+        for name, view in backend.lend(tensors).items():
+            data = memoryview(view.data).cast("B")
+            written = 0
+            while written < len(data):
+                written += os.pwrite(fd, data[written:], offset + written)
+            entries[name] = _Entry(dtype=view.dtype, shape=view.shape, offset=offset, size=written)
+            offset += written
+    except BaseException:
+        os.close(fd)
+        raise
+    return SpilledBase(backend, fd, entries)
+
+
+def delta(backend: Backend, base: Base, captured: Tensors, residual: Tensors | None) -> Tensors:
+    """``backend.delta`` with a base that may be spilled: then one tensor at a time, so a
+    single tensor of the base is in memory at once."""
+    if not isinstance(base, SpilledBase):
+        return backend.delta(base, captured, residual)
+    if set(base) != set(captured):
+        names = sorted(set(base) ^ set(captured))
+        raise SchemaMismatch(names, "delta: the base and the capture name different parameters")
+    out: dict[str, Any] = {}
+    for name in captured:
+        one = None if residual is None else {name: residual[name]}
+        out.update(backend.delta({name: base[name]}, {name: captured[name]}, one))
+    return out

@@ -1,0 +1,91 @@
+"""A fragment's base kept in an anonymous file (``spill``): the same bytes back, nothing left
+on disk, the same deltas, and a Session that spills ends on the same parameters as one that
+does not."""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from virtual_run import drift, make_model  # noqa: E402
+
+from gradientmail import DiLoCo, Session, mailbox_from_url  # noqa: E402
+from gradientmail._node import spill  # noqa: E402
+from gradientmail.adapters.torch import TorchBackend  # noqa: E402
+from gradientmail.core.errors import SchemaMismatch  # noqa: E402
+
+BACKEND = TorchBackend("cpu")
+
+
+def tensors() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return {
+        "a": torch.randn(17, 5, generator=generator),
+        "b": torch.randn(8, generator=generator).to(torch.bfloat16),
+        "empty": torch.zeros(0, 3),
+    }
+
+
+def test_a_spilled_base_reads_back_the_same_bytes_and_leaves_no_file(tmp_path: Path) -> None:
+    original = tensors()
+    base = spill.spill(BACKEND, original, str(tmp_path))
+    assert list(tmp_path.iterdir()) == [], "unlinked as soon as it is made"
+    assert sorted(base) == ["a", "b", "empty"] and len(base) == 3
+    assert base.nbytes == 17 * 5 * 4 + 8 * 2
+    for name, t in original.items():
+        back = base[name]
+        assert back.dtype == t.dtype and back.shape == t.shape
+        assert torch.equal(back, t)
+        assert back.data_ptr() != t.data_ptr() or t.numel() == 0
+    fd = base._fd
+    os.fstat(fd)  # open while the base is held
+    del base
+    gc.collect()
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+def test_a_delta_from_a_spilled_base_is_the_in_memory_delta(tmp_path: Path) -> None:
+    base = {"a": torch.randn(6, 4), "b": torch.randn(3)}
+    local = {n: t + 0.25 for n, t in base.items()}
+    residual = {n: torch.full_like(t, 0.5) for n, t in base.items()}
+    spilled = spill.spill(BACKEND, base, str(tmp_path))
+    for r in (None, residual):
+        want = BACKEND.delta(base, local, r)
+        got = spill.delta(BACKEND, spilled, local, r)
+        assert sorted(got) == sorted(want)
+        assert all(torch.equal(got[n], want[n]) for n in want)
+    with pytest.raises(SchemaMismatch, match="different parameters"):
+        spill.delta(BACKEND, spilled, {"a": local["a"]}, None)
+
+
+def test_spilling_is_the_cpu_default() -> None:
+    assert spill.spills(BACKEND)
+    assert not spill.spills(TorchBackend("meta"))
+
+
+def test_a_session_that_spills_trains_to_the_same_parameters(tmp_path: Path) -> None:
+    finals = {}
+    for spilled in (False, True):
+        model = make_model()
+        with Session(
+            model,
+            algorithm=DiLoCo(inner_steps=4, fragments=2, overlap_steps=0),
+            mailbox=mailbox_from_url(f"file://{tmp_path / str(spilled)}"),
+            poll_interval=0.05,
+            lease_every=1.0,
+            lease_timeout=3.0,
+            callbacks=(),
+            spill_base=spilled,
+            spill_dir=tmp_path,
+        ) as session:
+            drift(model, session, 24)
+        assert session.rounds_seen >= 10
+        finals[spilled] = [p.detach().numpy().copy() for p in model.parameters()]
+    assert all(np.array_equal(a, b) for a, b in zip(finals[False], finals[True], strict=True))
