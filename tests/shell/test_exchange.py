@@ -210,22 +210,13 @@ def test_a_lone_node_remembers_only_the_newest_commit_of_each_fragment(
     master is the learner's base, when the base is in memory) and no payload of every
     round's. A base kept in a file (``spill_base``) holds the fragment's parameters there."""
     pytest.importorskip("torch")
-    from virtual_run import drift, make_model
-
-    from gradientmail import DiLoCo, Session, mailbox_from_url
+    from virtual_run import drift, lone_session, make_model
 
     model = make_model()
     model_bytes = sum(4 * p.numel() for p in model.parameters())
-    with Session(
-        model,
-        algorithm=DiLoCo(inner_steps=4, fragments=2, overlap_steps=1),
-        mailbox=mailbox_from_url(f"file://{tmp_path / 'run'}"),
-        poll_interval=0.05,
-        lease_every=1.0,
-        lease_timeout=3.0,
-        callbacks=(),
-        spill_base=spill_base,
-        spill_dir=tmp_path,
+    url = f"file://{tmp_path / 'run'}"
+    with lone_session(
+        model, url, overlap_steps=1, spill_base=spill_base, spill_dir=tmp_path
     ) as session:
         drift(model, session, 48)
     assert session.rounds_seen >= 16

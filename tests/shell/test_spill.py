@@ -13,9 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from virtual_run import drift, make_model  # noqa: E402
+from virtual_run import drift, lone_session, make_model  # noqa: E402
 
-from gradientmail import DiLoCo, Session, mailbox_from_url  # noqa: E402
 from gradientmail._node import spill  # noqa: E402
 from gradientmail.adapters.torch import TorchBackend  # noqa: E402
 from gradientmail.core.errors import SchemaMismatch  # noqa: E402
@@ -74,16 +73,9 @@ def test_a_session_that_spills_trains_to_the_same_parameters(tmp_path: Path) -> 
     finals = {}
     for spilled in (False, True):
         model = make_model()
-        with Session(
-            model,
-            algorithm=DiLoCo(inner_steps=4, fragments=2, overlap_steps=0),
-            mailbox=mailbox_from_url(f"file://{tmp_path / str(spilled)}"),
-            poll_interval=0.05,
-            lease_every=1.0,
-            lease_timeout=3.0,
-            callbacks=(),
-            spill_base=spilled,
-            spill_dir=tmp_path,
+        url = f"file://{tmp_path / str(spilled)}"
+        with lone_session(
+            model, url, overlap_steps=0, spill_base=spilled, spill_dir=tmp_path
         ) as session:
             drift(model, session, 24)
         assert session.rounds_seen >= 10

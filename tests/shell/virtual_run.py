@@ -41,6 +41,22 @@ def make_model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
 
 
+def lone_session(model: torch.nn.Module, url: str, *, overlap_steps: int, **settings: Any) -> Any:
+    """A real ``Session`` of one node on ``url`` with quick timers, K=2 and H=4."""
+    from gradientmail import Session, mailbox_from_url
+
+    return Session(
+        model,
+        algorithm=DiLoCo(inner_steps=4, fragments=2, overlap_steps=overlap_steps),
+        mailbox=mailbox_from_url(url),
+        poll_interval=0.05,
+        lease_every=1.0,
+        lease_timeout=3.0,
+        callbacks=(),
+        **settings,
+    )
+
+
 def drift(model: torch.nn.Module, session: Any, steps: int) -> None:
     """``steps`` stand-in training steps through ``session``: every parameter moves by 0.01."""
     for _ in range(steps):
