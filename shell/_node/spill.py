@@ -89,7 +89,10 @@ def spills(backend: Backend) -> bool:
 def spill(backend: Backend, tensors: Tensors, directory: str | None = None) -> SpilledBase:
     """``tensors`` written to a new anonymous file in ``directory`` (the system's temporary
     directory when None)."""
-    fd, path = tempfile.mkstemp(prefix="gradientmail-base-", dir=directory)
+    try:
+        fd, path = tempfile.mkstemp(prefix="gradientmail-base-", dir=directory)
+    except OSError as exc:
+        raise _where(exc, directory) from exc
     try:
         os.unlink(path)
         entries: dict[str, _Entry] = {}
@@ -101,10 +104,23 @@ def spill(backend: Backend, tensors: Tensors, directory: str | None = None) -> S
                 written += os.pwrite(fd, data[written:], offset + written)
             entries[name] = _Entry(dtype=view.dtype, shape=view.shape, offset=offset, size=written)
             offset += written
+    except OSError as exc:
+        os.close(fd)
+        raise _where(exc, directory) from exc
     except BaseException:
         os.close(fd)
         raise
     return SpilledBase(backend, fd, entries)
+
+
+def _where(exc: OSError, directory: str | None) -> OSError:
+    where = directory if directory is not None else tempfile.gettempdir()
+    return OSError(
+        exc.errno,
+        f"keeping a fragment's base in a file in {where!r} failed ({exc.strerror or exc}); "
+        "give it the model's F32 bytes of room, or set Session(spill_dir=...) elsewhere, or "
+        "Session(spill_base=False) to keep it in memory",
+    )
 
 
 def delta(backend: Backend, base: Base, captured: Tensors, residual: Tensors | None) -> Tensors:

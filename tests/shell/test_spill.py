@@ -64,6 +64,13 @@ def test_a_delta_from_a_spilled_base_is_the_in_memory_delta(tmp_path: Path) -> N
         spill.delta(BACKEND, spilled, {"a": local["a"]}, None)
 
 
+def test_a_directory_that_cannot_take_the_base_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "gone"
+    with pytest.raises(OSError, match="spill_dir") as caught:
+        spill.spill(BACKEND, tensors(), str(missing))
+    assert str(missing) in str(caught.value)
+
+
 def test_spilling_is_the_cpu_default() -> None:
     assert spill.spills(BACKEND)
     assert not spill.spills(TorchBackend("meta"))
