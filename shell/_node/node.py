@@ -232,6 +232,7 @@ class Node:
             learner=learner_inbox,
             nonces=self._nonces,
             on_event=self.on_event,
+            learner_spills=self._spills,
         )
 
     # -- the loops ----------------------------------------------------------------------

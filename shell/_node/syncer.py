@@ -99,10 +99,14 @@ class SyncerLoop(Loop[syncer.SyncerState]):
         learner: Inbox,
         nonces: Callable[[], str],
         on_event: Callback,
+        learner_spills: bool = False,
     ) -> None:
         self.settings = settings
         self.state = state
         self.inbox = inbox
+        # Whether the learner keeps its base in a file: then a master handed to it is not
+        # held there, and is kept here as its own tensors when it fits (``_keep_state``).
+        self._learner_spills = learner_spills
         self._exchange = exchange
         self._backend = backend
         self._compression = compression
@@ -344,10 +348,11 @@ class SyncerLoop(Loop[syncer.SyncerState]):
         """Keep the outer state ``commit`` stored, as tensors, for the fragment's next outer
         step: reading it back would be the store's bytes of exactly these tensors. The master
         is kept by weak reference when it is the parameters handed to the learner (F32
-        parameters); what is held stays within the exchange's budget, oldest out first."""
+        parameters) and the learner holds them as its base (it does not spill); what is held
+        stays within the exchange's budget, oldest out first."""
         k = commit.fragment
         self._kept.pop(k, None)
-        shared = all(params[n] is t for n, t in master.items())
+        shared = not self._learner_spills and all(params[n] is t for n, t in master.items())
         nbytes = self._manifest.fragment_schema(k).f32.nbytes()
         size = nbytes if shared else 2 * nbytes
         limit = self._exchange.written_limit
