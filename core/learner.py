@@ -154,22 +154,32 @@ def step(state: LearnerState, algorithm: DiLoCo, samples: int) -> tuple[LearnerS
 def waiting_on(state: LearnerState, algorithm: DiLoCo) -> Blocked | None:
     """Why ``step`` must not return yet, or None: a snapshot taken ``overlap_steps`` or more
     steps ago whose commit has not been merged."""
+    for k, r, at in _holding(state, algorithm):
+        return Blocked(
+            fragment=k,
+            round=r,
+            reason=(
+                f"round {r} published at step {at} is not committed and "
+                f"overlap_steps={algorithm.overlap_steps}"
+            ),
+        )
+    return None
+
+
+def _holding(state: LearnerState, algorithm: DiLoCo) -> list[tuple[int, int, int]]:
+    """``(fragment, round, step published at)`` of each snapshot in flight that holds ``step``
+    at the overlap bound, in fragment order: taken at a slot ``overlap_steps`` or more steps
+    ago and not merged."""
     bound = algorithm.overlap_steps
     if bound is None:
-        return None
-    for k, f in enumerate(state.fragments):
-        if f.outstanding is None or f.published_at is None:
-            continue
-        if state.step - f.published_at >= bound:
-            return Blocked(
-                fragment=k,
-                round=f.outstanding,
-                reason=(
-                    f"round {f.outstanding} published at step {f.published_at} is not "
-                    f"committed and overlap_steps={bound}"
-                ),
-            )
-    return None
+        return []
+    return [
+        (k, f.outstanding, f.published_at)
+        for k, f in enumerate(state.fragments)
+        if f.outstanding is not None
+        and f.published_at is not None
+        and state.step - f.published_at >= bound
+    ]
 
 
 def on_commit(
@@ -294,17 +304,8 @@ def _publish_owed(
     round comes before the newest round holding the node, smallest round first. Such a
     publication is bounded like a slot's: the node is held anyway, and it keeps every snapshot
     in flight within the bound."""
-    bound = algorithm.overlap_steps
-    if bound is None or state.closing:
-        return state, effects
-    held = [
-        f.outstanding
-        for f in state.fragments
-        if f.outstanding is not None
-        and f.published_at is not None
-        and state.step - f.published_at >= bound
-    ]
-    if not held:
+    held = [r for _, r, _ in _holding(state, algorithm)]
+    if state.closing or not held:
         return state, effects
     newest = max(held)
     owed = sorted(
