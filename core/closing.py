@@ -26,10 +26,12 @@ The close (``Closing``), one step per result:
 1. create ``claims/<a>``; when the key holds another object, read it: a valid claim is another
    closer's (stop), garbage or a forgery only spares duplicate work, so the close goes on;
 2. list the round's snapshots; skip those larger than a genuine snapshot can be, and read the
-   rest one at a time, in node order: a snapshot whose record names its key's node and round
-   and whose base is the fragment's previous commit (``include``) is decoded and added to the
-   round's F32 sum with its weight (``outer_sum``), and dropped, so a close holds one delta
-   whatever the number of snapshots; norms are measured only where a rule reads them;
+   rest one at a time, in node order. A node's snapshot is the one at the first of its snapshot
+   keys that verifies (``core.slots``): a key whose object does not verify (a squatter's) is
+   reported and the node's next listed key read. A snapshot whose record names its key's node
+   and round and whose base is the fragment's previous commit (``include``) is decoded and
+   added to the round's F32 sum with its weight (``outer_sum``), and dropped, so a close holds
+   one delta whatever the number of snapshots; norms are measured only where a rule reads them;
 3. exclude outliers and clip (``robust``). When that changes a weight, the sum is taken again
    over the snapshots that stay, with their final weights (a second pass of reads, which only
    a round with an outlier or a clipped delta pays); nothing left means no commit;
@@ -498,18 +500,21 @@ Phase = Literal["claim", "check", "list", "read", "sum", "base", "load", "write"
 @attrs.frozen(kw_only=True)
 class Closing:
     """A close in progress: its attempt, the claim's nonce, when it began (node's clock), the
-    step it waits on, and what it has gathered. ``reading``: the snapshots still to read and
-    sum, in order, the first one in hand; ``waiting``: its record, once read; ``chosen``: the
-    snapshots in the sum; ``measure``: whether their norms are measured; ``final``: on the
-    second pass, the snapshots that stay after outliers and the clip."""
+    step it waits on, and what it has gathered. ``reading``: the nodes whose snapshots are
+    still to read and sum, in order, each with the snapshot keys (slots) still to try, the
+    first one in hand; ``waiting``: its record, once read; ``chosen``: the snapshots in the
+    sum, and ``slots`` the key each was read at; ``measure``: whether their norms are
+    measured; ``final``: on the second pass, the snapshots that stay after outliers and the
+    clip."""
 
     attempt: int
     nonce: str
     started: float
     phase: Phase
-    reading: tuple[str, ...] = ()
+    reading: tuple[tuple[str, tuple[int, ...]], ...] = ()
     waiting: Snapshot | None = None
     chosen: tuple[Included, ...] = ()
+    slots: tuple[tuple[str, int], ...] = ()
     measure: bool = False
     norms: tuple[tuple[str, float], ...] = ()
     final: tuple[Included, ...] | None = None
@@ -667,7 +672,7 @@ def _fold(
 ) -> tuple[RoundState, list[Effect]]:
     """One result into the round: the view's LISTs, or the close's next step."""
     if isinstance(result, SnapshotsListed) and state.closing is None:
-        nodes = tuple(node for node, _ in result.sizes)
+        nodes = tuple(dict.fromkeys(node for node, _, _ in result.sizes))
         if ctx.members is not None:
             nodes = robust.members(nodes, ctx.members)
         listing = max(0, state.listing - 1)
@@ -739,15 +744,16 @@ def _listed(
     r = state.round
     bound = robust.snapshot_bound(ctx.manifest.fragment_schema(r % ctx.algorithm.fragments))
     effects: list[Effect] = []
-    reading = []
-    for node, size in result.sizes:
+    slots: dict[str, list[int]] = {}
+    for node, slot, size in sorted(result.sizes):
         too_big = robust.oversized(size, bound)
         if too_big is not None:
-            effects.append(Excluded(round=r, node=node, reason=too_big))
+            effects.append(Excluded(round=r, node=node, reason=too_big, slot=slot))
         else:
-            reading.append(node)
+            slots.setdefault(node, []).append(slot)
+    reading = tuple((node, tuple(found)) for node, found in slots.items())
     measure = robust.needs_norms(len(reading), factor=ctx.outlier_factor, clip=ctx.algorithm.clip)
-    closing = attrs.evolve(closing, reading=tuple(sorted(reading)), measure=measure)
+    closing = attrs.evolve(closing, reading=reading, measure=measure)
     state, more = _read_next(state, closing, ctx)
     return state, effects + more
 
@@ -757,7 +763,8 @@ def _read_next(
 ) -> tuple[RoundState, list[Effect]]:
     """Read the next snapshot to sum, or end the pass when none is left."""
     if closing.reading:
-        read = ReadSnapshot(round=state.round, node=closing.reading[0])
+        node, slots = closing.reading[0]
+        read = ReadSnapshot(round=state.round, node=node, slot=slots[0])
         return _set(state, closing, phase="read", waiting=None), [read]
     if closing.final is not None:
         return _based(state, closing, ctx)
@@ -776,28 +783,42 @@ def _snapshot(
     state: RoundState, closing: Closing, result: SnapshotRead, ctx: Context
 ) -> tuple[RoundState, list[Effect]]:
     r, node = state.round, result.node
-    if not closing.reading or node != closing.reading[0]:
+    if not closing.reading or (node, result.slot) != _in_hand(closing):
         return state, []
     if closing.final is not None:  # the second pass: the very snapshot summed the first time
         wanted = closing.final[len(closing.chosen)]
         if result.record is None or Included.of(result.record) != wanted:
             why = result.rejected or "changed or gone between the two passes of its close"
-            return _failed(state, closing, keys.snapshot(r, node), why)
+            return _failed(state, closing, keys.snapshot(r, node, result.slot), why)
         weights, _ = outer_sum(ctx.algorithm, closing.final, dict(closing.norms))
         return _sum(state, closing, result.record, weights[len(closing.chosen)])
     if result.rejected is not None:
-        return _skip(state, closing, ctx, [Excluded(round=r, node=node, reason=result.rejected)])
+        report = Excluded(round=r, node=node, reason=result.rejected, slot=result.slot)
+        later = closing.reading[0][1][1:]
+        if later:  # the key is squatted: the node's next key (core.slots)
+            closing = attrs.evolve(closing, reading=((node, later), *closing.reading[1:]))
+            state, more = _read_next(state, closing, ctx)
+            return state, [report, *more]
+        return _skip(state, closing, ctx, [report])
     if result.record is None:
         return _skip(state, closing, ctx, [])
     _, excluded = include(ctx.algorithm, r, [(node, result.record)])
     if excluded:
-        reports: list[Effect] = [Excluded(round=r, node=n, reason=why) for n, why in excluded]
+        reports: list[Effect] = [
+            Excluded(round=r, node=n, reason=why, slot=result.slot) for n, why in excluded
+        ]
         return _skip(state, closing, ctx, reports)
     record = result.record
     first = closing.chosen[0].samples if closing.chosen else record.samples
     return _sum(
         state, closing, record, _sum_weight(ctx.algorithm, record.samples, record.steps, first)
     )
+
+
+def _in_hand(closing: Closing) -> tuple[str, int]:
+    """The node and snapshot key of the snapshot being read."""
+    node, slots = closing.reading[0]
+    return node, slots[0]
 
 
 def _sum(
@@ -817,12 +838,14 @@ def _accumulated(
     state: RoundState, closing: Closing, result: Accumulated, ctx: Context
 ) -> tuple[RoundState, list[Effect]]:
     r, node = state.round, result.node
-    if not closing.reading or node != closing.reading[0] or closing.waiting is None:
+    if not closing.reading or node != closing.reading[0][0] or closing.waiting is None:
         return state, []
+    _, slot = _in_hand(closing)
     if result.rejected is not None:
         if closing.final is not None:
-            return _failed(state, closing, keys.snapshot(r, node), result.rejected)
-        return _skip(state, closing, ctx, [Excluded(round=r, node=node, reason=result.rejected)])
+            return _failed(state, closing, keys.snapshot(r, node, slot), result.rejected)
+        report = Excluded(round=r, node=node, reason=result.rejected, slot=slot)
+        return _skip(state, closing, ctx, [report])
     norms = closing.norms
     if result.norm is not None:
         norms = (*norms, (node, result.norm))
@@ -831,6 +854,7 @@ def _accumulated(
         reading=closing.reading[1:],
         waiting=None,
         chosen=(*closing.chosen, Included.of(closing.waiting)),
+        slots=(*closing.slots, (node, slot)) if closing.final is None else closing.slots,
         norms=norms,
     )
     return _read_next(state, closing, ctx)
@@ -854,14 +878,21 @@ def _summed(state: RoundState, closing: Closing, ctx: Context) -> tuple[RoundSta
         scales = robust.clip_scales(
             final, norms, inner_steps=ctx.algorithm.inner_steps, clip=ctx.algorithm.clip
         )
-        effects += [Clipped(round=r, node=n, factor=f) for n, f in sorted(scales.items()) if f < 1]
+        read_at = dict(closing.slots)
+        effects += [
+            Clipped(round=r, node=n, factor=f, slot=read_at[n])
+            for n, f in sorted(scales.items())
+            if f < 1
+        ]
     if final == chosen and all(f == 1.0 for f in scales.values()):
         state, more = _based(state, closing, ctx)
         return state, effects + more
     if not final:
         state, more = _based(state, attrs.evolve(closing, chosen=()), ctx)
         return state, effects + more
-    again = attrs.evolve(closing, reading=tuple(i.node for i in final), chosen=(), final=final)
+    read_at = dict(closing.slots)
+    reading = tuple((i.node, (read_at[i.node],)) for i in final)
+    again = attrs.evolve(closing, reading=reading, chosen=(), final=final)
     state, more = _read_next(state, again, ctx)
     return state, effects + more
 

@@ -135,20 +135,24 @@ class Fail:
 
 @attrs.frozen(kw_only=True)
 class Excluded:
-    """Report: the snapshot of ``node`` was left out of round ``round``'s commit."""
+    """Report: the snapshot of ``node`` at its snapshot key ``slot`` was left out of round
+    ``round``'s commit."""
 
     round: int
     node: str
     reason: str
+    slot: int = 0
 
 
 @attrs.frozen(kw_only=True)
 class Clipped:
-    """Report: ``node``'s delta in round ``round`` was scaled by ``factor`` (< 1)."""
+    """Report: ``node``'s delta in round ``round`` (read at its snapshot key ``slot``) was
+    scaled by ``factor`` (< 1)."""
 
     round: int
     node: str
     factor: float
+    slot: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -350,11 +354,13 @@ class ReadClaim:
 
 @attrs.frozen(kw_only=True)
 class ReadSnapshot:
-    """GET and verify ``node``'s snapshot of ``round``; its payload waits in the round's
-    workspace for the ``Accumulate`` that follows (the next read drops one not summed)."""
+    """GET and verify the snapshot at ``node``'s snapshot key ``slot`` of ``round``; its
+    payload waits in the round's workspace for the ``Accumulate`` that follows (the next read
+    drops one not summed)."""
 
     round: int
     node: str
+    slot: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -587,10 +593,11 @@ class LeaseRead:
 
 @attrs.frozen(kw_only=True)
 class SnapshotsListed:
-    """One LIST of round ``round``'s snapshots: ``(node, size)`` sorted by node."""
+    """One LIST of round ``round``'s snapshots: ``(node, slot, size)`` of each snapshot key
+    (``core.slots``), sorted by node and slot."""
 
     round: int
-    sizes: tuple[tuple[str, int], ...]
+    sizes: tuple[tuple[str, int, int], ...]
 
 
 @attrs.frozen(kw_only=True)
@@ -612,13 +619,14 @@ class ClaimRead:
 
 @attrs.frozen(kw_only=True)
 class SnapshotRead:
-    """``node``'s snapshot of ``round``: its record (the payload waiting to be summed), None
-    when gone, or ``rejected`` (why it is not used)."""
+    """The snapshot at ``node``'s snapshot key ``slot`` of ``round``: its record (the payload
+    waiting to be summed), None when gone, or ``rejected`` (why it is not used)."""
 
     round: int
     node: str
     record: Snapshot | None
     rejected: str | None = None
+    slot: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -660,8 +668,14 @@ class RoundListed:
 
 @attrs.frozen(kw_only=True)
 class ManifestRead:
+    """The run's manifest as a walk of the manifest keys found it (``core.slots``), or
+    ``rejected`` (why no manifest can be read). ``unverified``: ``(key, signed, reason)`` of
+    each passed key that holds a well-formed manifest record that does not verify (a forgery,
+    or a run signed under another secret), ``signed`` as that record says."""
+
     manifest: Manifest | None
     rejected: str | None = None
+    unverified: tuple[tuple[str, bool, str], ...] = ()
 
 
 @attrs.frozen(kw_only=True)

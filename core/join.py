@@ -1,14 +1,18 @@
 """Joining a run as one rule: create it or read it, admit this node, check its identity, and
 find the newest commit of every fragment.
 
-1. Read the manifest. When there is none, create the run: the initial parameters of every
-   fragment first, then the create-only manifest naming them, so a crash leaves no run or a
-   whole one (Decision 4). A node that loses the race deletes its initial payloads and joins
-   the winner's run.
+1. Read the manifest: the first of the manifest keys whose object verifies under this node's
+   secret (any well-formed manifest for a node without one); objects that do not are passed
+   (``core.slots``). When there is none, create the run: the initial parameters of every
+   fragment first, then the create-only manifest naming them, at the next free manifest key,
+   so a crash leaves no run or a whole one (Decision 4). A node that loses the race deletes its
+   initial payloads and joins the winner's run. A passed object that is a well-formed manifest
+   record stops a node with a secret from creating a run: it may be a run signed under another
+   secret (this node's secret is wrong), which no node can tell from a forgery.
 2. Admission: a run's signing is fixed when it is created, so a node without a secret cannot
-   join a signed run, nor a node with one an unsigned run (``check_signing``); in a signed run
-   the manifest must verify. The model must match the run's schema (``check_schema`` names
-   every parameter that differs) and the algorithm its configuration (``ConfigMismatch``).
+   join a signed run, nor a node with one an unsigned run (``check_signing``). The model must
+   match the run's schema (``check_schema`` names every parameter that differs) and the
+   algorithm its configuration (``ConfigMismatch``).
 3. Identity (Decision 9): joining under a learner id whose lease a live process renews is
    refused (``identity.conflict``: the lease read twice, ``lease_every * 1.5`` apart).
 4. The newest commit of each fragment, by the chain walk (``chain``), and its parameters; a
@@ -100,10 +104,14 @@ def check_signing(
     if manifest.signed and not signed:
         raise ProtocolError(f"the run is signed and {sources.reader} has no secret: {sources.how}")
     if not manifest.signed and signed:
-        raise ProtocolError(
-            f"the run is not signed but {sources.reader} has a secret (from {sources.origins}): "
-            "remove it; whether a run is signed is fixed by the node that creates it"
-        )
+        raise ProtocolError(_unsigned(sources))
+
+
+def _unsigned(sources: SecretSources) -> str:
+    return (
+        f"the run is not signed but {sources.reader} has a secret (from {sources.origins}): "
+        "remove it; whether a run is signed is fixed by the node that creates it"
+    )
 
 
 def check_schema(run: Schema, ours: Schema) -> None:
@@ -167,7 +175,7 @@ def step(
 ) -> tuple[JoinState, list[Effect], str]:
     """The join after ``view``: its next effects and why."""
     if state.phase == "manifest" and not view:
-        return state, [ReadManifest(verify=False)], "reading the manifest"
+        return state, [ReadManifest(verify=settings.signed)], "reading the manifest"
     effects: list[Effect] = []
     for item in view:
         try:
@@ -207,25 +215,26 @@ def _take(
 def _manifest(
     state: JoinState, item: ManifestRead, settings: Settings
 ) -> tuple[JoinState, list[Effect]]:
-    if state.phase == "manifest" and item.manifest is None and item.rejected is None:
-        if settings.algorithm is None:
-            raise ProtocolError(f"{settings.where} holds no run (no manifest)")
-        return _create(state, settings)
-    if state.phase in ("manifest", "lost"):
-        if item.manifest is None:
-            raise ProtocolError(item.rejected or "the manifest vanished after a lost create")
+    if state.phase not in ("manifest", "lost"):
+        return state, []
+    if item.manifest is not None:
         check_signing(item.manifest, settings.signed, sources=settings.sources)
-        if settings.signed:
-            return attrs.evolve(state, phase="verify"), [ReadManifest(verify=True)]
         return _admit(state, item.manifest, settings)
-    if state.phase == "verify":
-        if item.manifest is None:
-            raise ProtocolError(
-                f"the run's manifest does not verify with {settings.sources.reader}'s secret "
-                f"(a wrong secret, or a forged manifest): {item.rejected or 'it vanished'}"
-            )
-        return _admit(state, item.manifest, settings)
-    return state, []
+    if item.rejected is not None:
+        raise ProtocolError(item.rejected)
+    if item.unverified:
+        _, signed, reason = item.unverified[0]
+        if not signed:
+            raise ProtocolError(_unsigned(settings.sources))
+        raise ProtocolError(
+            f"the run's manifest does not verify with {settings.sources.reader}'s secret (a "
+            f"wrong secret, or a forged manifest: delete a forgery to create the run): {reason}"
+        )
+    if state.phase == "lost":
+        raise ProtocolError("the manifest vanished after a lost create")
+    if settings.algorithm is None:
+        raise ProtocolError(f"{settings.where} holds no run (no manifest)")
+    return _create(state, settings)
 
 
 def _create(state: JoinState, settings: Settings) -> tuple[JoinState, list[Effect]]:
@@ -274,7 +283,7 @@ def _created(state: JoinState, item: Created, settings: Settings) -> tuple[JoinS
     # Another node created the run first: our initial payloads go, and we join theirs.
     doomed = tuple(ref.key for ref in state.init if ref is not None)
     state = attrs.evolve(state, phase="lost", manifest=None)
-    return state, [Delete(keys=doomed), ReadManifest(verify=False)]
+    return state, [Delete(keys=doomed), ReadManifest(verify=settings.signed)]
 
 
 def _admit(

@@ -7,10 +7,14 @@ order. Node ids are ``[a-z0-9-]{1,64}``; nonces are 16 lowercase hex digits.
 ::
 
     manifest                                  create-only: the run (and its initial commit)
+    manifest-<slot:04>                        the same, when every earlier manifest key holds an
+                                              object that does not verify (core.slots)
     init/<fragment:04>-<nonce>                initial parameters of a fragment
     leases/<node>                             overwritten by its owner only
     heads/<fragment:04>                       advisory hint: a recent commit round of a fragment
     rounds/<round:020>/snapshots/<node>       create-only: one node's delta for the round
+    rounds/<round:020>/snapshots/<node>.<slot:04>
+                                              the same, behind squatted keys (core.slots)
     rounds/<round:020>/claims/<attempt:04>    create-only: who closes the round, attempt a
     rounds/<round:020>/params-<nonce>         the fragment's parameters after the round
     rounds/<round:020>/state-<nonce>          F32 master parameters and outer momentum
@@ -89,8 +93,24 @@ def snapshots(r: int) -> str:
     return round_prefix(r) + "snapshots/"
 
 
-def snapshot(r: int, node: str) -> str:
-    return snapshots(r) + check_node(node)
+def snapshot(r: int, node: str, slot: int = 0) -> str:
+    """Node ``node``'s snapshot key number ``slot`` of round ``r``: ``<node>`` for the first,
+    ``<node>.0001`` on (``core.slots``: its snapshot is the first of them that verifies; ``.``
+    is outside the node id's characters, so no slot key is another node's)."""
+    name = snapshots(r) + check_node(node)
+    return name if _slot(slot) == 0 else f"{name}.{slot:04d}"
+
+
+def manifest(slot: int = 0) -> str:
+    """The run's manifest key number ``slot``: ``manifest``, then ``manifest-0001`` on
+    (``core.slots``: the run's manifest is the first of them that verifies)."""
+    return MANIFEST if _slot(slot) == 0 else f"{MANIFEST}-{slot:04d}"
+
+
+def _slot(slot: int) -> int:
+    if not isinstance(slot, int) or not 0 <= slot <= MAX_SLOT:
+        raise ValueError(f"slot {slot!r} outside 0..{MAX_SLOT}")
+    return slot
 
 
 def claims(r: int) -> str:
@@ -114,9 +134,7 @@ def state(r: int, nonce: str) -> str:
 def commit(r: int, slot: int = 0) -> str:
     """Round ``r``'s commit key number ``slot``: ``commit`` for the first, ``commit-0001`` on
     (``core.slots``: the round's commit is the first of them that verifies)."""
-    if not isinstance(slot, int) or not 0 <= slot <= MAX_SLOT:
-        raise ValueError(f"commit slot {slot!r} outside 0..{MAX_SLOT}")
-    return round_prefix(r) + ("commit" if slot == 0 else f"commit-{slot:04d}")
+    return round_prefix(r) + ("commit" if _slot(slot) == 0 else f"commit-{slot:04d}")
 
 
 @attrs.frozen(kw_only=True)
@@ -133,16 +151,25 @@ class ParsedKey:
 
 
 _PATTERNS: tuple[tuple[Kind, re.Pattern[str]], ...] = (
-    ("manifest", re.compile(r"manifest")),
+    ("manifest", re.compile(r"manifest(?:-(?P<slot>(?!0000)[0-9]{4}))?")),
     ("init", re.compile(r"init/(?P<fragment>[0-9]{4})-(?P<nonce>[0-9a-f]{16})")),
     ("lease", re.compile(r"leases/(?P<node>[a-z0-9-]{1,64})")),
     ("head", re.compile(r"heads/(?P<fragment>[0-9]{4})")),
-    ("snapshot", re.compile(r"rounds/(?P<round>[0-9]{20})/snapshots/(?P<node>[a-z0-9-]{1,64})")),
+    (
+        "snapshot",
+        re.compile(
+            r"rounds/(?P<round>[0-9]{20})/snapshots/(?P<node>[a-z0-9-]{1,64})"
+            r"(?:\.(?P<slot>(?!0000)[0-9]{4}))?"
+        ),
+    ),
     ("claim", re.compile(r"rounds/(?P<round>[0-9]{20})/claims/(?P<attempt>[0-9]{4})")),
     ("params", re.compile(r"rounds/(?P<round>[0-9]{20})/params-(?P<nonce>[0-9a-f]{16})")),
     ("state", re.compile(r"rounds/(?P<round>[0-9]{20})/state-(?P<nonce>[0-9a-f]{16})")),
     ("commit", re.compile(r"rounds/(?P<round>[0-9]{20})/commit(?:-(?P<slot>(?!0000)[0-9]{4}))?")),
 )
+
+
+_SLOTTED = ("manifest", "snapshot", "commit")
 
 
 def parse(key: str) -> ParsedKey:
@@ -158,6 +185,6 @@ def parse(key: str) -> ParsedKey:
                 attempt=int(groups["attempt"]) if "attempt" in groups else None,
                 fragment=int(groups["fragment"]) if "fragment" in groups else None,
                 nonce=groups.get("nonce"),
-                slot=(int(groups["slot"] or 0)) if kind == "commit" else None,
+                slot=int(groups["slot"] or 0) if kind in _SLOTTED else None,
             )
     raise FormatError("not a key of a gradientmail run", key=key)

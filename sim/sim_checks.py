@@ -234,7 +234,7 @@ class Checker:
         schema = manifest.fragment_schema(k)
         deltas = []
         for i in commit.included:
-            found = run_now(exchange.snapshot(commit.round, i.node, limit=1 << 30))
+            found = run_now(exchange.node_snapshot(commit.round, i.node, limit=1 << 30))
             if found is None or found[0].nonce != i.nonce:
                 return  # the planted overwrite can leave inputs that no longer match
             deltas.append(backend.decode(found[1], schema))

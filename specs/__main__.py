@@ -29,8 +29,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--crashes", type=int, default=0, help="crash budget")
     p.add_argument("--faults", type=int, default=0, help="lost or ambiguous writes")
     p.add_argument("--pauses", type=int, default=0, help="process pauses")
+    p.add_argument("--forgeries", type=int, default=0, help="objects a forger squats keys with")
     p.add_argument(
-        "--forgeries", type=int, default=0, help="objects a forger squats commit keys with"
+        "--squats",
+        default="commit",
+        help="the keys the forger squats: commit, snapshot, manifest (comma-separated)",
     )
     p.add_argument("--quorum", type=int, default=1)
     p.add_argument("--grace", type=int, default=0, help="seconds")
@@ -83,6 +86,7 @@ def config_of(args: argparse.Namespace) -> Config:
         faults=args.faults,
         pauses=args.pauses,
         forgeries=args.forgeries,
+        squats=frozenset(args.squats.split(",")),
         quorum=args.quorum,
         grace=args.grace,
         overlap=args.overlap,

@@ -40,6 +40,14 @@ def _at_least(low: int) -> Callable[[Any, attrs.Attribute[int], Any], None]:
     return check
 
 
+SQUAT_KINDS = frozenset({"commit", "snapshot", "manifest"})
+
+
+def _squat_kinds(instance: object, attribute: attrs.Attribute[object], value: object) -> None:
+    if not isinstance(value, frozenset) or not value or not value <= SQUAT_KINDS:
+        raise ValueError(f"squats must be a non-empty subset of {sorted(SQUAT_KINDS)}: {value!r}")
+
+
 @attrs.frozen(kw_only=True, cache_hash=True)
 class Config:
     """One world's nodes, algorithm, timers and bounds.
@@ -61,10 +69,11 @@ class Config:
     crashes, faults, pauses
         Budgets: node crashes, faulty creates (lost in transit, or landed with the answer lost),
         and process pauses (a paused node takes no step until it resumes).
-    forgeries
+    forgeries, squats
         Budget of a writer without the run's secret: objects that do not verify, each created at
-        the next free commit key of a round not committed yet (``core.slots``; the world is a
-        signed run's).
+        the next free key of a slot sequence (``core.slots``; the world is a signed run's) of
+        the kinds in ``squats``: ``commit`` (a round not committed yet), ``snapshot`` (a node's
+        snapshot of a round it has not published yet), ``manifest`` (before the run exists).
     grain
         "write": a loop's step runs its rule until a call whose effects write (or it waits), so
         a node's reads between two writes see one mailbox (the explorer's default); "call":
@@ -115,6 +124,9 @@ class Config:
     faults: int = attrs.field(default=0, validator=_at_least(0))
     pauses: int = attrs.field(default=0, validator=_at_least(0))
     forgeries: int = attrs.field(default=0, validator=_at_least(0))
+    squats: frozenset[str] = attrs.field(
+        default=frozenset({"commit"}), converter=frozenset, validator=_squat_kinds
+    )
     grain: str = attrs.field(default="write")
     poll_interval: int = attrs.field(default=1, validator=_at_least(1))
     lease_every: int = attrs.field(default=1, validator=_at_least(1))
@@ -193,6 +205,8 @@ class Config:
             parts.append(f"pauses={self.pauses}")
         if self.forgeries:
             parts.append(f"forgeries={self.forgeries}")
+            if self.squats != {"commit"}:
+                parts.append(f"squats={','.join(sorted(self.squats))}")
         if self.grain != "write":
             parts.append(f"grain={self.grain}")
         if self.horizon:

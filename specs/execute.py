@@ -20,7 +20,16 @@ from gradientmail.core.identity import derived
 from gradientmail.core.leases import lease_md5
 from gradientmail.core.records import Claim, Lease, Manifest, PayloadRef, Snapshot
 from gradientmail.core.tensors import ParameterSpec, Schema
-from specs.mailbox import DIGEST, Payload, SnapObj, commit_at, lease_size
+from specs.mailbox import (
+    DIGEST,
+    Forged,
+    Payload,
+    SnapObj,
+    commit_at,
+    lease_size,
+    manifest_at,
+    snapshot_at,
+)
 from specs.state import NodeState, World
 
 __all__ = ["WRITES", "execute", "run_schema"]
@@ -105,9 +114,12 @@ def _upload(world: World, i: int, upload: fx.Upload, outcome: str) -> Outcome:
     me = _name(world, i)
     record = _snapshot(me, job.nonce, job.round, job.base, job.hi - job.lo, job.steps)
     obj = SnapObj(record=record, epoch=node.epoch, lo=job.lo, hi=job.hi)
-    before = world.mailbox.get(keys.snapshot(job.round, me))
-    world, created = _create(world, keys.snapshot(job.round, me), obj, job.nonce, outcome)
-    if before is None and world.mailbox.get(keys.snapshot(job.round, me)) == obj:
+    # The first of its snapshot keys not squatted, or the one another incarnation's holds
+    # (core.slots).
+    key, _ = snapshot_at(world.mailbox, job.round, me)
+    before = world.mailbox.get(key)
+    world, created = _create(world, key, obj, job.nonce, outcome)
+    if before is None and world.mailbox.get(key) == obj:
         spans = (*world.spans, (job.nonce, (me, node.epoch, job.lo, job.hi)))
         world = world._replace(spans=tuple(sorted(spans)))
     return world, fx.Uploaded(round=upload.round, created=created)
@@ -191,8 +203,8 @@ def _read_lease(world: World, i: int, read: fx.ReadLease, _: str) -> Outcome:
 
 
 def _list_snapshots(world: World, i: int, listing: fx.ListSnapshots, _: str) -> Outcome:
-    prefix = keys.snapshots(listing.round)
-    sizes = tuple((key[len(prefix) :], 1) for key, _ in world.mailbox.list(prefix))
+    found = (keys.parse(key) for key, _ in world.mailbox.list(keys.snapshots(listing.round)))
+    sizes = tuple(sorted((p.node or "", p.slot or 0, 1) for p in found))
     return world, fx.SnapshotsListed(round=listing.round, sizes=sizes)
 
 
@@ -214,9 +226,12 @@ def _read_claim(world: World, i: int, read: fx.ReadClaim, _: str) -> Outcome:
 
 
 def _read_snapshot(world: World, i: int, read: fx.ReadSnapshot, _: str) -> Outcome:
-    found = world.mailbox.get(keys.snapshot(read.round, read.node))
+    found = world.mailbox.get(keys.snapshot(read.round, read.node, read.slot))
     record = found.record if isinstance(found, SnapObj) else None
-    return world, fx.SnapshotRead(round=read.round, node=read.node, record=record)
+    rejected = "forged" if isinstance(found, Forged) else None
+    return world, fx.SnapshotRead(
+        round=read.round, node=read.node, slot=read.slot, record=record, rejected=rejected
+    )
 
 
 def _accumulate(world: World, i: int, add: fx.Accumulate, _: str) -> Outcome:
@@ -273,8 +288,8 @@ def _delete(world: World, i: int, delete: fx.Delete, _: str) -> Outcome:
 
 
 def _read_manifest(world: World, i: int, read: fx.ReadManifest, _: str) -> Outcome:
-    found = world.mailbox.get(keys.MANIFEST)
-    return world, fx.ManifestRead(manifest=found if isinstance(found, Manifest) else None)
+    _, found = manifest_at(world.mailbox)  # a forgery is garbage here: passed
+    return world, fx.ManifestRead(manifest=found)
 
 
 def _write_init(world: World, i: int, write: fx.WriteInit, _: str) -> Outcome:
@@ -286,12 +301,13 @@ def _write_init(world: World, i: int, write: fx.WriteInit, _: str) -> Outcome:
 
 
 def _create_manifest(world: World, i: int, create: fx.CreateManifest, outcome: str) -> Outcome:
-    return _create(world, keys.MANIFEST, create.manifest, create.manifest.nonce, outcome)
+    key, _ = manifest_at(world.mailbox)
+    return _create(world, key, create.manifest, create.manifest.nonce, outcome)
 
 
 def _manifest(world: World) -> Manifest:
-    found = world.mailbox.get(keys.MANIFEST)
-    assert isinstance(found, Manifest)
+    _, found = manifest_at(world.mailbox)
+    assert found is not None
     return found
 
 

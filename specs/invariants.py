@@ -13,7 +13,7 @@ from itertools import pairwise
 
 from gradientmail.core import chain, closing, gc, keys
 from gradientmail.core.records import Claim
-from specs.mailbox import SnapObj, commit_at
+from specs.mailbox import SnapObj, commit_at, snapshot_at
 from specs.state import World
 
 __all__ = ["INVARIANTS", "check", "violations"]
@@ -45,7 +45,7 @@ def included_exist(world: World) -> str | None:
             if ref.key not in world.mailbox:
                 return f"commit of round {c.round} names payload {ref.key}, which is gone"
         for inc in c.included:
-            snap = world.mailbox.get(keys.snapshot(c.round, inc.node))
+            _, snap = snapshot_at(world.mailbox, c.round, inc.node)
             if not isinstance(snap, SnapObj) or snap.record.nonce != inc.nonce:
                 return (
                     f"commit of round {c.round} includes {inc.node}'s snapshot, not in the mailbox"

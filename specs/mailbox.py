@@ -81,6 +81,33 @@ def commit_at(mailbox: Mailbox, r: int) -> tuple[str, Commit | None]:
     return key, None
 
 
+def snapshot_at(mailbox: Mailbox, r: int, node: str) -> tuple[str, SnapObj | None]:
+    """``node``'s snapshot of round ``r`` as every reader finds it (``core.slots``): the one at
+    the first of its snapshot keys that verifies, with that key; or None with the key the walk
+    stopped at (the first free one, where the node creates)."""
+    slot: int | None = 0
+    while slot is not None:
+        key = keys.snapshot(r, node, slot)
+        found = mailbox.get(key)
+        if isinstance(found, SnapObj):
+            return key, found
+        slot = slots.next_slot(slot, "missing" if found is None else "refused")
+    return key, None
+
+
+def manifest_at(mailbox: Mailbox) -> tuple[str, Manifest | None]:
+    """The run's manifest as every reader finds it (``core.slots``), with its key; or None with
+    the first free manifest key."""
+    slot: int | None = 0
+    while slot is not None:
+        key = keys.manifest(slot)
+        found = mailbox.get(key)
+        if isinstance(found, Manifest):
+            return key, found
+        slot = slots.next_slot(slot, "missing" if found is None else "refused")
+    return key, None
+
+
 @lru_cache(maxsize=4096)
 def lease_size(lease: Lease) -> int:
     """The size a store lists for ``lease``: its record's bytes (``left`` makes it longer)."""

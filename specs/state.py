@@ -102,10 +102,11 @@ class NodeState(NamedTuple):
 
 class Event(NamedTuple):
     """One atomic step of the world. ``loop``: which of a node's loops a ``step`` runs;
-    ``samples``: the inner steps a ``train`` makes, or the round whose next commit key a
-    ``forge`` squats; ``outcome`` of the first create in a step: "ok", "lost" (did not land:
-    the retry goes on) or "ambiguous" (landed, and the answer was lost); "ambiguous@commit" and
-    the like fault only the first create of that kind of record."""
+    ``samples``: the inner steps a ``train`` makes, or the round whose next commit key (or,
+    with ``node``, that node's next snapshot key; -1: the next manifest key) a ``forge``
+    squats; ``outcome`` of the first create in a step: "ok", "lost" (did not land: the retry
+    goes on) or "ambiguous" (landed, and the answer was lost); "ambiguous@commit" and the like
+    fault only the first create of that kind of record."""
 
     kind: str
     node: int = -1
@@ -115,6 +116,10 @@ class Event(NamedTuple):
 
     def __str__(self) -> str:
         if self.kind == "forge":
+            if self.samples < 0:
+                return "forger squats the next manifest key"
+            if self.node >= 0:
+                return f"forger squats n{self.node}'s next snapshot key of round {self.samples}"
             return f"forger squats round {self.samples}'s next commit key"
         who = f"n{self.node} " if self.node >= 0 else ""
         what = self.kind if not self.loop else f"{self.loop}"

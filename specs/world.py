@@ -40,12 +40,12 @@ from functools import lru_cache
 from typing import Any
 
 from gradientmail.core import effects as fx
-from gradientmail.core import join, keys, learner, leases, polling, syncer
+from gradientmail.core import join, learner, leases, polling, syncer
 from gradientmail.core.records import Manifest
 from specs.bugs import rules_for
 from specs.config import Config
 from specs.execute import CREATES, WRITES, execute, run_schema
-from specs.mailbox import Forged, Mailbox, commit_at, nonce
+from specs.mailbox import Forged, Mailbox, commit_at, manifest_at, nonce, snapshot_at
 from specs.state import (
     ABSENT,
     DOWN,
@@ -156,7 +156,7 @@ def _step(world: World, i: int, loop: str, outcome: str) -> World:
     """Run ``loop`` of node ``i`` as the driver does, one call (grain "call") or calls until
     one writes or the loop waits (grain "write"); ``outcome`` faults the first create."""
     config = world.config
-    manifest = world.mailbox.get(keys.MANIFEST) if loop != "join" else None
+    manifest = manifest_at(world.mailbox)[1] if loop != "join" else None
     assert manifest is None or isinstance(manifest, Manifest)
     rule, settings = _RULES[loop], _settings(config, i, world.node(i).epoch, loop, manifest)
     fault = outcome
@@ -423,7 +423,7 @@ def apply(world: World, event: Event) -> World:
     if kind == "resume":
         return world.with_node(i, world.node(i)._replace(paused=False))
     if kind == "forge":
-        return _forge(world, event.samples)
+        return _forge(world, event)
     if kind == "tick":
         nodes = tuple(n._replace(clock=n.clock + 1) for n in world.nodes)
         return world._replace(time=world.time + 1, nodes=nodes)
@@ -435,25 +435,40 @@ def apply(world: World, event: Event) -> World:
     raise ValueError(f"unknown event kind {kind!r}")
 
 
-def _forge(world: World, r: int) -> World:
-    """A writer without the secret creates an object that does not verify at round ``r``'s
-    first free commit key (``core.slots``), before the round has a commit."""
-    key, commit = commit_at(world.mailbox, r)
-    if commit is not None or key in world.mailbox:
+def _forge(world: World, event: Event) -> World:
+    """A writer without the secret creates an object that does not verify at the first free
+    key of a slot sequence (``core.slots``), before that sequence holds what verifies:
+    ``node`` -1 and ``samples`` r: round r's commit keys; ``node`` i: node i's snapshot keys of
+    round r; ``samples`` -1: the manifest keys."""
+    if event.samples < 0:
+        key, found = manifest_at(world.mailbox)
+    elif event.node >= 0:
+        key, found = snapshot_at(world.mailbox, event.samples, world.config.names[event.node])
+    else:
+        key, found = commit_at(world.mailbox, event.samples)
+    if found is not None or key in world.mailbox:
         return world
     mailbox, _ = world.mailbox.create(key, Forged(key))
     return world._replace(mailbox=mailbox, forgeries=world.forgeries + 1)
 
 
 def _forgeries(world: World) -> list[tuple[Event, World]]:
-    """The forger's moves while its budget lasts: squat the next commit key of any round that
-    has none yet (``Config.forgeries``)."""
-    if world.forgeries >= world.config.forgeries:
+    """The forger's moves while its budget lasts: squat the next key of each sequence of the
+    kinds ``Config.squats`` names that holds nothing verified yet."""
+    config = world.config
+    if world.forgeries >= config.forgeries:
         return []
+    events = []
+    if "manifest" in config.squats:
+        events.append(Event("forge", samples=-1))
+    for r in range(config.round_bound):
+        if "commit" in config.squats:
+            events.append(Event("forge", samples=r))
+        if "snapshot" in config.squats:
+            events += [Event("forge", node=i, samples=r) for i in range(config.nodes)]
     found = []
-    for r in range(world.config.round_bound):
-        event = Event("forge", samples=r)
-        after = _forge(world, r)
+    for event in events:
+        after = _forge(world, event)
         if after is not world:
             found.append((event, after))
     return found

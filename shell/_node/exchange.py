@@ -25,6 +25,7 @@ import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from typing import Any, Literal, TypeVar
 
 import attrs
@@ -103,6 +104,15 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
+@attrs.frozen
+class ManifestWalk:
+    """What a walk of the manifest keys found (``Exchange.manifest_walk``)."""
+
+    manifest: Manifest | None
+    # (key, signed, reason) of each passed key that holds a well-formed manifest record
+    unverified: tuple[tuple[str, bool, str], ...] = ()
+
+
 @attrs.frozen(eq=False)
 class _Remembered:
     """Tensors this exchange wrote, with what a read must match to be given them: a payload's
@@ -170,15 +180,19 @@ class Exchange:
         # Reasons already reported, so that an object re-read every poll (a forged commit
         # squatting its key) is reported once, not once a poll.
         self._reported: set[tuple[str, str]] = set()
-        # Per round, how many leading commit keys hold objects that do not verify (core.slots):
-        # they never change, so they are read once.
-        self._passed: dict[int, int] = {}
+        # Per slot sequence (named by its first key: a round's commits, a node's snapshots of a
+        # round, the manifests), how many leading keys hold objects that do not verify
+        # (core.slots): they never change, so they are read once.
+        self._passed: dict[str, int] = {}
+        self._unverified_manifests: list[tuple[str, bool, str]] = []
+        self._manifest_slot: int | None = None
         # Payloads and snapshots written last, oldest first, shared by a node's two loops (two
         # threads).
         self._written: OrderedDict[str, _Remembered] = OrderedDict()
         self._written_bytes = 0
         self._written_limit = written_cache
         self._written_lock = threading.Lock()
+        self._moved: dict[str, str] = {}  # a snapshot's first key -> the key it was created at
 
     # -- requests with retries ---------------------------------------------------------
 
@@ -329,18 +343,72 @@ class Exchange:
         return read_record(unseal(blob).record, kind, key=key, verifier=verifier)
 
     async def manifest(self, *, verify: bool = True) -> Manifest | None:
-        """The run's manifest; ``verify=False`` reads it without checking its signature (to
-        learn whether the run is signed before joining it)."""
-        return await self._record(keys.MANIFEST, Manifest, verify=verify)
+        """The run's manifest: the record at the first manifest key that verifies
+        (``core.slots``), None when the walk meets a missing key first (no run). Objects that
+        do not verify are reported and passed; ``verify=False`` passes only objects that are no
+        manifest record at all. ``FormatError`` when every key is passed."""
+        return (await self.manifest_walk(verify=verify)).manifest
+
+    async def manifest_walk(self, *, verify: bool = True) -> ManifestWalk:
+        """The manifest walk of ``manifest``, with the keys it passed that hold a well-formed
+        manifest record that does not verify: a forgery, or a genuine run's manifest signed
+        under a secret this node does not hold (``core.join`` refuses to create past one)."""
+        first = keys.manifest(0)
+        slot: int | None = self._passed.get(first, 0) if verify else 0
+        unverified = self._unverified_manifests if verify else []
+        while slot is not None:
+            key = keys.manifest(slot)
+            found = await self._judged(
+                key, partial(self._record, key, Manifest, verify=verify), remember=verify
+            )
+            if not isinstance(found, FormatError):
+                if found is not None:
+                    self._manifest_slot = slot
+                return ManifestWalk(manifest=found, unverified=tuple(unverified))
+            # Without a keyring only what is no manifest at all is passed.
+            signed = verify and self.keyring is not None
+            if signed and all(key != seen for seen, _, _ in unverified):
+                record = await self._unverified(key)
+                if record is not None:
+                    unverified.append((key, record.signed, str(found)))
+            slot = slots.next_slot(slot, "refused")
+        raise _every_key_squatted(keys.manifest(keys.MAX_SLOT), "manifest key")
+
+    async def _unverified(self, key: str) -> Manifest | None:
+        """The well-formed manifest record at ``key``, its signature unchecked, or None."""
+        try:
+            return await self._record(key, Manifest, verify=False)
+        except FormatError:
+            return None
 
     async def create_manifest(self, manifest: Manifest) -> Created:
-        """Create the run's manifest (create-only: a run is created once)."""
-        return await self.create_record(keys.MANIFEST, self._seal(manifest))
+        """Create the run's manifest at the first manifest key not known to hold an object
+        that does not verify (``core.slots``; create-only: a run is created once). A key taken
+        by a record that is ours (an ambiguous create), that verifies (another node created the
+        run), or that is a well-formed manifest that does not verify (``core.join`` decides) is
+        the outcome; one taken by anything else is passed and the next key tried."""
+        data = self._seal(manifest)
+        slot: int | None = self._passed.get(keys.manifest(0), 0)
+        while slot is not None:
+            key = keys.manifest(slot)
+            created = await self.create_record(key, data)
+            if created.outcome == "created" or identity.ours(created, manifest.nonce):
+                self._manifest_slot = slot
+                return created
+            found = await self._judged(key, partial(self._record, key, Manifest))
+            if not isinstance(found, FormatError) or await self._unverified(key) is not None:
+                return created
+            slot = slots.next_slot(slot, "refused")
+        raise _every_key_squatted(keys.manifest(keys.MAX_SLOT), "manifest key")
 
     async def put_manifest(self, manifest: Manifest) -> None:
-        """Overwrite the manifest with ``manifest`` signed by this keyring: only to re-sign the
-        same content after a key rotation (``run.resign_manifest``); never to change a run."""
-        await self.put(keys.MANIFEST, self._seal(manifest))
+        """Overwrite the manifest with ``manifest`` signed by this keyring, at the key the
+        run's manifest was found at: only to re-sign the same content after a key rotation
+        (``run.resign_manifest``); never to change a run."""
+        if self._manifest_slot is None and await self.manifest() is None:
+            raise FormatError("no manifest to re-sign", key=keys.manifest(0))
+        assert self._manifest_slot is not None
+        await self.put(keys.manifest(self._manifest_slot), self._seal(manifest))
 
     async def commit(self, r: int, *, verify: bool = True) -> Commit | None:
         """Round ``r``'s commit: the record at the first of the round's commit keys that
@@ -349,13 +417,13 @@ class Exchange:
         a signed run, naming another round) is reported and passed, and not read again;
         ``FormatError`` only when every key is passed. ``verify=False`` passes only objects
         that are no commit record at all (garbage, another round's record)."""
-        slot: int | None = self._passed.get(r, 0) if verify else 0
+        slot: int | None = self._passed.get(keys.commit(r), 0) if verify else 0
         while slot is not None:
             found = await self._judged_commit(r, slot, verify=verify)
             if isinstance(found, Commit) or found is None:
                 return found
             slot = slots.next_slot(slot, "refused")
-        raise _every_key_squatted(r)
+        raise _every_key_squatted(keys.commit(r, keys.MAX_SLOT), "commit key of the round")
 
     async def commit_at(self, r: int, slot: int, *, verify: bool = True) -> Commit | None:
         """The record at round ``r``'s commit key ``slot`` (None when absent); ``FormatError``
@@ -369,19 +437,31 @@ class Exchange:
     async def _judged_commit(
         self, r: int, slot: int, *, verify: bool
     ) -> Commit | FormatError | None:
-        """What commit key ``slot`` of round ``r`` holds: its commit, None, or why it is passed.
-        An object is passed only when a second read fails too (a read damaged in transit must
-        not make a node pass a genuine commit); a passed key is reported and remembered."""
+        """What commit key ``slot`` of round ``r`` holds: its commit, None, or why it is passed
+        (``_judged``)."""
+        return await self._judged(
+            keys.commit(r, slot), lambda: self.commit_at(r, slot, verify=verify), remember=verify
+        )
+
+    async def _judged(
+        self, key: str, read: Callable[[], Awaitable[T]], *, remember: bool = True
+    ) -> T | FormatError:
+        """What slot key ``key`` holds (``core.slots``): what ``read`` returns, or why it is
+        passed. An object is passed only when a second read fails too (a read damaged in
+        transit must not make a node pass a genuine record); a passed key is reported and,
+        with ``remember``, counted in ``_passed`` under its sequence's first key, so that it is
+        not read again."""
         try:
-            return await self.commit_at(r, slot, verify=verify)
+            return await read()
         except FormatError:
             pass
         try:
-            return await self.commit_at(r, slot, verify=verify)
+            return await read()
         except FormatError as exc:
-            self.reject(keys.commit(r, slot), str(exc))
-            if verify:
-                self._passed[r] = max(self._passed.get(r, 0), slot + 1)
+            self.reject(key, str(exc))
+            if remember:
+                first, slot = _sequence(key)
+                self._passed[first] = max(self._passed.get(first, 0), slot + 1)
             return exc
 
     async def create_commit(self, commit: Commit) -> Created:
@@ -391,7 +471,7 @@ class Exchange:
         that is the outcome; by anything else, the key is passed and the next one tried."""
         r = commit.round
         data = self._seal(commit)
-        slot: int | None = self._passed.get(r, 0)
+        slot: int | None = self._passed.get(keys.commit(r), 0)
         while slot is not None:
             created = await self.create_record(keys.commit(r, slot), data)
             if created.outcome == "created" or identity.ours(created, commit.nonce):
@@ -399,7 +479,7 @@ class Exchange:
             if not isinstance(await self._judged_commit(r, slot, verify=True), FormatError):
                 return created
             slot = slots.next_slot(slot, "refused")
-        raise _every_key_squatted(r)
+        raise _every_key_squatted(keys.commit(r, keys.MAX_SLOT), "commit key of the round")
 
     async def claims(self, r: int) -> list[Claim]:
         """The valid claims of round ``r``; corrupt, oversized, forged or misplaced ones are
@@ -444,13 +524,14 @@ class Exchange:
         return await self.create_record(key, self._seal(claim), durable=False)
 
     async def reporters(self, r: int) -> list[str]:
-        """Nodes with a snapshot under round ``r`` (key names only: one LIST)."""
-        return sorted(await self.snapshot_sizes(r))
+        """Nodes with a snapshot key under round ``r`` (key names only: one LIST)."""
+        return sorted(await self.snapshot_slots(r))
 
-    async def snapshot_sizes(self, r: int) -> dict[str, int]:
-        """Each node with a snapshot under round ``r`` and the object's size in bytes, from one
-        LIST (so that an oversized object is refused before it is downloaded)."""
-        sizes = {}
+    async def snapshot_slots(self, r: int) -> dict[str, tuple[tuple[int, int], ...]]:
+        """Each node with a snapshot key under round ``r``: its keys' ``(slot, size in
+        bytes)`` in slot order, from one LIST (so that an oversized object is refused before it
+        is downloaded, and a squatted key is passed for the next, ``core.slots``)."""
+        found: dict[str, list[tuple[int, int]]] = {}
         for info in await self._list(keys.snapshots(r)):
             try:
                 parsed = keys.parse(info.key)
@@ -458,8 +539,9 @@ class Exchange:
                 self.reject(info.key, "not a snapshot key")
                 continue
             if parsed.kind == "snapshot" and parsed.node is not None:
-                sizes[parsed.node] = info.size
-        return sizes
+                assert parsed.slot is not None
+                found.setdefault(parsed.node, []).append((parsed.slot, info.size))
+        return {node: tuple(sorted(entries)) for node, entries in found.items()}
 
     async def publish(
         self,
@@ -467,36 +549,70 @@ class Exchange:
         payload: Payload,
         compression: Compression,
         tensors: Mapping[str, TensorBytes] | None = None,
+        *,
+        bound: int,
     ) -> Created:
-        """Create this node's snapshot of a round (``core.identity.ours`` judges whether the
-        key then holds ours). ``tensors``, the payload's tensors before compression, are
-        remembered with the bytes: a ``snapshot`` read that finds the very bytes published
-        returns them without verifying and parsing the bytes again. Without ``tensors`` (a
-        closer that holds its learner's delta) the bytes alone are remembered when they are
-        small (a quarter of the budget): comparing them costs less than hashing what is read
-        back, and holding them little."""
-        key = keys.snapshot(snapshot.round, snapshot.node)
+        """Create this node's snapshot of a round at the first of its snapshot keys not known
+        to hold an object that does not verify (``core.slots``; ``core.identity.ours`` judges
+        whether the key then holds ours). A key taken by a snapshot record that verifies
+        (another incarnation's) is the outcome; one taken by anything else (read only when at
+        most ``bound`` bytes) is passed and the next key tried. ``tensors``, the payload's tensors
+        before compression, are remembered with the bytes: a ``snapshot`` read that finds the
+        very bytes published returns them without verifying and parsing the bytes again.
+        Without ``tensors`` (a closer that holds its learner's delta) the bytes alone are
+        remembered when they are small (a quarter of the budget): comparing them costs less
+        than hashing what is read back, and holding them little."""
+        r, node = snapshot.round, snapshot.node
         parts = seal_parts(to_bytes(snapshot, self.keyring), payload, compression=compression)
         size = data_size(parts)
         remember = tensors is not None or size <= self._written_limit // 4
         # Joined only when remembered (or for a mailbox that takes no parts): a large
         # unquantized snapshot is written from the tensors' memory, never copied whole.
         blob = joined(parts) if remember and size <= self._written_limit else None
-        # Not durable (docs/decisions.md, "What must survive a crash"): a snapshot
-        # lost with the machine is a round missed by its node, which crashed with it.
-        created = await self.create_record(key, blob or parts, durable=False)
-        if created.outcome != "taken" and blob is not None:
-            self._remember(key, tensors or {}, blob=blob, record=snapshot)
-        return created
+        slot: int | None = self._passed.get(keys.snapshot(r, node), 0)
+        while slot is not None:
+            key = keys.snapshot(r, node, slot)
+            # Not durable (docs/decisions.md, "What must survive a crash"): a snapshot
+            # lost with the machine is a round missed by its node, which crashed with it.
+            created = await self.create_record(key, blob or parts, durable=False)
+            if created.outcome == "created" or identity.ours(created, snapshot.nonce):
+                if blob is not None:
+                    self._remember(key, tensors or {}, blob=blob, record=snapshot)
+                    if slot:  # forgotten by its first key's name (``forget_written``)
+                        with self._written_lock:
+                            self._moved[keys.snapshot(r, node)] = key
+                return created
+            found = await self._judged(
+                key,
+                partial(self.snapshot, r, node, slot=slot, limit=bound, bound=bound, parse=False),
+            )
+            if not isinstance(found, FormatError):
+                return created
+            slot = slots.next_slot(slot, "refused")
+        raise _every_key_squatted(
+            keys.snapshot(r, node, keys.MAX_SLOT), f"snapshot key of {node} in round {r}"
+        )
 
     async def snapshot(
-        self, r: int, node: str, *, limit: int, parse: bool = True
+        self,
+        r: int,
+        node: str,
+        *,
+        slot: int = 0,
+        limit: int,
+        bound: int | None = None,
+        parse: bool = True,
     ) -> tuple[Snapshot, dict[str, TensorBytes]] | None:
-        """A snapshot and its payload tensors; ``FormatError`` when corrupt or mismatched.
-        Without ``parse`` the payload is verified against the record's digest but not
-        parsed, and no tensors are returned (a closer that holds its own delta)."""
-        key = keys.snapshot(r, node)
-        blob = await self.get(key)
+        """The snapshot at ``node``'s snapshot key ``slot`` of round ``r`` and its payload
+        tensors (at most ``limit`` bytes decompressed); ``FormatError`` when corrupt,
+        mismatched, or above ``bound`` bytes (then not downloaded). Without ``parse`` the
+        payload is verified against the record's digest but not parsed, and no tensors are
+        returned (a closer that holds its own delta)."""
+        key = keys.snapshot(r, node, slot)
+        try:
+            blob = await self.get(key, limit=bound)
+        except TooLarge as exc:
+            raise FormatError(oversized(exc.size, bound or 0) or "oversized", key=key) from None
         if blob is None:
             return None
         with self._written_lock:
@@ -511,6 +627,8 @@ class Exchange:
             return mine.record, dict(mine.tensors) if parse else {}
         sealed = unseal(blob)
         record = read_record(sealed.record, Snapshot, key=key, verifier=self.keyring)
+        if (record.round, record.node) != (r, node):
+            raise FormatError(f"record names {record.node} round {record.round}", key=key)
         if payload_digest(sealed.payload) != record.digest:
             raise FormatError("payload does not match the record's digest", key=key)
         if not parse:
@@ -520,6 +638,24 @@ class Exchange:
         except FormatError as exc:
             raise FormatError(f"payload: {exc}", key=key) from None
         return record, tensors
+
+    async def node_snapshot(
+        self, r: int, node: str, *, limit: int
+    ) -> tuple[Snapshot, dict[str, TensorBytes]] | None:
+        """``node``'s snapshot of round ``r`` as every reader finds it (``core.slots``): the
+        one at the first of its snapshot keys that verifies, None when the walk meets a
+        missing key first. Keys passed are reported."""
+        slot: int | None = 0
+        while slot is not None:
+            found = await self._judged(
+                keys.snapshot(r, node, slot),
+                partial(self.snapshot, r, node, slot=slot, limit=limit),
+                remember=False,
+            )
+            if not isinstance(found, FormatError):
+                return found
+            slot = slots.next_slot(slot, "refused")
+        return None
 
     # -- payloads ---------------------------------------------------------------------
 
@@ -613,10 +749,11 @@ class Exchange:
 
     def forget_written(self, *keys: str) -> None:
         """Stop remembering the payloads or snapshots at ``keys`` (superseded or closed ones):
-        a later read of one is verified and parsed from the store's bytes."""
+        a later read of one is verified and parsed from the store's bytes. A snapshot published
+        behind squatted keys is named by its first key."""
         with self._written_lock:
             for key in keys:
-                entry = self._written.pop(key, None)
+                entry = self._written.pop(self._moved.pop(key, key), None)
                 if entry is not None:
                     self._written_bytes -= entry.size
 
@@ -682,8 +819,18 @@ class Exchange:
         await self.put(keys.head(fragment), str(r).encode("ascii"), durable=False)
 
 
-def _every_key_squatted(r: int) -> FormatError:
-    return FormatError(
-        "every commit key of the round holds an object that does not verify",
-        key=keys.commit(r, keys.MAX_SLOT),
-    )
+def _every_key_squatted(last: str, what: str) -> FormatError:
+    return FormatError(f"every {what} holds an object that does not verify", key=last)
+
+
+def _sequence(key: str) -> tuple[str, int]:
+    """The first key of the slot sequence ``key`` belongs to, and its slot (``core.slots``)."""
+    parsed = keys.parse(key)
+    assert parsed.slot is not None, key
+    if parsed.kind == "manifest":
+        return keys.manifest(0), parsed.slot
+    assert parsed.round is not None
+    if parsed.kind == "snapshot":
+        assert parsed.node is not None
+        return keys.snapshot(parsed.round, parsed.node), parsed.slot
+    return keys.commit(parsed.round), parsed.slot

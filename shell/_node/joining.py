@@ -85,7 +85,8 @@ class Joiner(Executor):
 
     async def _read_manifest(self, read: ReadManifest) -> Result:
         try:
-            return ManifestRead(manifest=await self._exchange.manifest(verify=read.verify))
+            walk = await self._exchange.manifest_walk(verify=read.verify)
+            return ManifestRead(manifest=walk.manifest, unverified=walk.unverified)
         except UNTRUSTED as exc:
             return ManifestRead(manifest=None, rejected=str(exc))
 

@@ -41,6 +41,7 @@ from gradientmail.core.effects import Rejected as Reject
 from gradientmail.core.envelope import payload_digest
 from gradientmail.core.errors import NonFinite, RejectedObject, SchemaMismatch
 from gradientmail.core.records import Commit, Manifest, Snapshot
+from gradientmail.core.robust import snapshot_bound
 from gradientmail.core.tensors import TensorBytes
 from gradientmail.mailboxes._protocol import data_size
 
@@ -152,7 +153,10 @@ class LearnerLoop(Loop[polling.PollState]):
         # An unquantized delta goes to this node's closer as tensors (``_watch``): the
         # exchange need not remember the payload's bytes as well.
         remembered = payload if self._algorithm.quantization is not None else None
-        created = await self._exchange.publish(snapshot, data, self._compression, remembered)
+        schema = self._manifest.fragment_schema(k)
+        created = await self._exchange.publish(
+            snapshot, data, self._compression, remembered, bound=snapshot_bound(schema)
+        )
         self._sent[publish.round] = (job, snapshot, delta, data_size(data))
         del payload, data, remembered
         release_memory()  # the capture's encoded bytes are spent

@@ -39,6 +39,7 @@ from gradientmail.core import keys, syncer
 from gradientmail.core.codecs import Compression
 from gradientmail.core.payloads import payload_limit
 from gradientmail.core.records import Commit
+from gradientmail.core.robust import snapshot_bound
 from gradientmail.core.tensors import TensorBytes
 
 __all__ = ["SyncerLoop"]
@@ -172,8 +173,11 @@ class SyncerLoop(Loop[syncer.SyncerState]):
     # -- a round's view -----------------------------------------------------------------
 
     async def _list_snapshots(self, listing: fx.ListSnapshots) -> fx.Result:
-        sizes = await self._exchange.snapshot_sizes(listing.round)
-        return fx.SnapshotsListed(round=listing.round, sizes=tuple(sorted(sizes.items())))
+        found = await self._exchange.snapshot_slots(listing.round)
+        sizes = tuple(
+            (node, slot, size) for node, keys_of in sorted(found.items()) for slot, size in keys_of
+        )
+        return fx.SnapshotsListed(round=listing.round, sizes=sizes)
 
     async def _list_claims(self, listing: fx.ListClaims) -> fx.Result:
         claims = tuple(await self._exchange.claims(listing.round))
@@ -192,29 +196,30 @@ class SyncerLoop(Loop[syncer.SyncerState]):
         return fx.ClaimRead(round=read.round, attempt=read.attempt, claim=claim)
 
     async def _read_snapshot(self, read: fx.ReadSnapshot) -> fx.Result:
-        r, node = read.round, read.node
+        r, node, slot = read.round, read.node, read.slot
         work = self._work_of(r)
         work.waiting = None
         schema = self._manifest.fragment_schema(r % self._manifest.algorithm.fragments)
         own = self._handover.own(r) if node == self._node else None
+        limit, bound = payload_limit(schema), snapshot_bound(schema)
         try:
             # This node's own snapshot is verified but not parsed while its learner's delta
             # is in hand: it is used when the record is the one published.
             found = await self._exchange.snapshot(
-                r, node, limit=payload_limit(schema), parse=own is None
+                r, node, slot=slot, limit=limit, bound=bound, parse=own is None
             )
             if found is not None and own is not None:
                 if (found[0].nonce, found[0].digest) == (own.nonce, own.digest):
                     work.waiting = (node, None, own.delta)
-                    return fx.SnapshotRead(round=r, node=node, record=found[0])
-                found = await self._exchange.snapshot(r, node, limit=payload_limit(schema))
+                    return fx.SnapshotRead(round=r, node=node, slot=slot, record=found[0])
+                found = await self._exchange.snapshot(r, node, slot=slot, limit=limit, bound=bound)
         except UNTRUSTED as exc:
-            return fx.SnapshotRead(round=r, node=node, record=None, rejected=str(exc))
+            return fx.SnapshotRead(round=r, node=node, slot=slot, record=None, rejected=str(exc))
         if found is None:
-            return fx.SnapshotRead(round=r, node=node, record=None)
+            return fx.SnapshotRead(round=r, node=node, slot=slot, record=None)
         record, payload = found
         work.waiting = (node, payload, None)
-        return fx.SnapshotRead(round=r, node=node, record=record)
+        return fx.SnapshotRead(round=r, node=node, slot=slot, record=record)
 
     async def _accumulate(self, add: fx.Accumulate) -> fx.Result:
         r, node = add.round, add.node
@@ -421,13 +426,13 @@ class SyncerLoop(Loop[syncer.SyncerState]):
         self._on_event(event(node=self._node, round=claimed.round, attempt=claimed.attempt))
 
     async def _excluded(self, excluded: fx.Excluded) -> None:
-        key = keys.snapshot(excluded.round, excluded.node)
+        key = keys.snapshot(excluded.round, excluded.node, excluded.slot)
         self._on_event(
             Excluded(node=self._node, round=excluded.round, key=key, reason=excluded.reason)
         )
 
     async def _clipped(self, clipped: fx.Clipped) -> None:
-        key = keys.snapshot(clipped.round, clipped.node)
+        key = keys.snapshot(clipped.round, clipped.node, clipped.slot)
         self._on_event(
             Clipped(node=self._node, round=clipped.round, key=key, factor=clipped.factor)
         )

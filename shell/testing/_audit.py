@@ -108,7 +108,7 @@ async def audit_async(
     """``audit`` as a coroutine, for callers already inside an event loop."""
     reader = RunReader(mailbox, MonotonicClock(), "audit", keyring)
     exchange = reader.exchange
-    if await mailbox.get(keys.MANIFEST) is None:
+    if not await mailbox.list(keys.MANIFEST):
         raise AuditError(["no manifest: the mailbox holds no run"])
     manifest = await read_manifest(exchange, sources=reader.sources)
     violations: list[str] = []
@@ -118,6 +118,7 @@ async def audit_async(
     violations += _kept(manifest, commits, by_round, keep)
     snapshots = recomputed = 0
     counted: dict[tuple[str, str], int] = {}
+    used: set[str] = set()  # the snapshot key each commit's included snapshot was found at
     for r, commit in commits.items():
         for i in commit.included:
             if (i.node, i.nonce) in counted:
@@ -126,7 +127,7 @@ async def audit_async(
                     f"{counted[(i.node, i.nonce)]}"
                 )
             counted[(i.node, i.nonce)] = r
-        found, problems = await _check_snapshots(exchange, r, commit, list(by_round[r]))
+        found, problems = await _check_snapshots(exchange, r, commit, by_round[r], used)
         snapshots += found
         violations += problems
         if backend is not None:
@@ -140,7 +141,7 @@ async def audit_async(
             violations += problems
     for r in sorted(by_round):
         violations += await _check_claims(exchange, r, commits.get(r), by_round[r])
-        await _report_unused_snapshots(exchange, manifest, r, commits.get(r), by_round[r])
+        await _report_unused_snapshots(exchange, manifest, r, by_round[r], used)
     await read_leases(exchange)  # reports the leases no node would accept
     if violations:
         raise AuditError(violations)
@@ -233,29 +234,40 @@ def _kept(
 
 
 async def _check_snapshots(
-    exchange: Exchange, r: int, commit: Commit, present: list[str]
+    exchange: Exchange, r: int, commit: Commit, present: dict[str, int], used: set[str]
 ) -> tuple[int, list[str]]:
+    """Each included snapshot still present, found as every reader finds it (``core.slots``:
+    at the first of its node's snapshot keys that verifies, the others reported) and checked
+    against what the commit lists; the keys it was found at go into ``used``."""
     found, problems = 0, []
     for i in commit.included:
-        key = keys.snapshot(r, i.node)
-        if key not in present:
-            continue  # collected
-        blob = await exchange.get(key)
-        if blob is None:
-            continue
-        try:
-            record = read_record(unseal(blob).record, Snapshot, key=key, verifier=exchange.keyring)
-        except FormatError as exc:
-            problems.append(f"round {r}: included snapshot unreadable: {exc}")
-            continue
-        found += 1
-        if (record.nonce, record.digest, record.samples, record.steps) != (
-            i.nonce,
-            i.digest,
-            i.samples,
-            i.steps,
-        ):
-            problems.append(f"round {r}: {key} differs from what the commit lists")
+        first = keys.snapshot(r, i.node)
+        candidates = sorted(
+            (parsed.slot or 0, key)
+            for key in present
+            if key.startswith(first) and (parsed := keys.parse(key)).node == i.node
+        )
+        refused = []
+        for _, key in candidates:
+            problem, record = await _snapshot_problem(exchange, key, i.node, r)
+            if record is None:
+                if problem is not None:
+                    exchange.reject(key, problem)
+                    refused.append(f"{key}: {problem}")
+                continue
+            used.add(key)
+            found += 1
+            if (record.nonce, record.digest, record.samples, record.steps) != (
+                i.nonce,
+                i.digest,
+                i.samples,
+                i.steps,
+            ):
+                problems.append(f"round {r}: {key} differs from what the commit lists")
+            break
+        else:
+            # A verified commit vouches for a snapshot that verifies: none does.
+            problems += [f"round {r}: included snapshot unreadable: {why}" for why in refused]
     return found, problems
 
 
@@ -277,37 +289,39 @@ async def _check_claims(
 
 
 async def _report_unused_snapshots(
-    exchange: Exchange, manifest: Manifest, r: int, commit: Commit | None, present: dict[str, int]
+    exchange: Exchange, manifest: Manifest, r: int, present: dict[str, int], used: set[str]
 ) -> None:
-    """Report each snapshot of round ``r`` outside its commit that a closer would refuse:
+    """Report each snapshot key of round ``r`` outside its commit that a closer would refuse:
     oversized (not downloaded), unreadable, not verifying, or naming another node or round."""
-    included = {i.node for i in commit.included} if commit is not None else set()
     bound = snapshot_bound(manifest.fragment_schema(r % manifest.algorithm.fragments))
     for key, size in sorted(present.items()):
         parsed = keys.parse(key)
-        if parsed.kind != "snapshot" or parsed.node in included:
+        if parsed.kind != "snapshot" or key in used:
             continue
         reason = oversized(size, bound)
         if reason is None:
-            reason = await _snapshot_problem(exchange, key, parsed.node, r)
+            reason, _ = await _snapshot_problem(exchange, key, parsed.node, r)
         if reason is not None:
             exchange.reject(key, reason)
 
 
-async def _snapshot_problem(exchange: Exchange, key: str, node: str | None, r: int) -> str | None:
+async def _snapshot_problem(
+    exchange: Exchange, key: str, node: str | None, r: int
+) -> tuple[str | None, Snapshot | None]:
+    """Why the object at snapshot key ``key`` would be refused, or its record."""
     blob = await exchange.get(key)
     if blob is None:
-        return None
+        return None, None
     try:
         sealed = unseal(blob)
         record = read_record(sealed.record, Snapshot, key=key, verifier=exchange.keyring)
     except FormatError as exc:
-        return str(exc)
+        return str(exc), None
     if (record.node, record.round) != (node, r):
-        return f"record names {record.node} round {record.round}"
+        return f"record names {record.node} round {record.round}", None
     if payload_digest(sealed.payload) != record.digest:
-        return "payload does not match the record's digest"
-    return None
+        return "payload does not match the record's digest", None
+    return None, record
 
 
 async def _recompute(
@@ -324,7 +338,7 @@ async def _recompute(
     schema = manifest.fragment_schema(k)
     deltas = []
     for i in commit.included:
-        found = await exchange.snapshot(r, i.node, limit=1 << 34)
+        found = await exchange.node_snapshot(r, i.node, limit=1 << 34)
         if found is None or found[0].nonce != i.nonce:
             return 0, []  # inputs collected: nothing to recompute
         deltas.append(backend.decode(found[1], schema))

@@ -25,11 +25,11 @@ nonces = st.text(alphabet="0123456789abcdef", min_size=16, max_size=16)
 def build(parsed: ParsedKey) -> str:
     """The key a ``ParsedKey`` came from, through the public builders only."""
     builders: dict[str, Callable[[ParsedKey], str]] = {
-        "manifest": lambda p: keys.MANIFEST,
+        "manifest": lambda p: keys.manifest(_int(p.slot)),
         "init": lambda p: keys.init(_int(p.fragment), _str(p.nonce)),
         "lease": lambda p: keys.lease(_str(p.node)),
         "head": lambda p: keys.head(_int(p.fragment)),
-        "snapshot": lambda p: keys.snapshot(_int(p.round), _str(p.node)),
+        "snapshot": lambda p: keys.snapshot(_int(p.round), _str(p.node), _int(p.slot)),
         "claim": lambda p: keys.claim(_int(p.round), _int(p.attempt)),
         "params": lambda p: keys.params(_int(p.round), _str(p.nonce)),
         "state": lambda p: keys.state(_int(p.round), _str(p.nonce)),
@@ -60,14 +60,17 @@ def any_key(draw: st.DrawFn) -> tuple[str, ParsedKey]:
     fragment, attempt = draw(fragment_ids), draw(attempts)
     slot = draw(st.integers(0, keys.MAX_SLOT))
     expected = {
-        "manifest": (keys.MANIFEST, ParsedKey(kind="manifest")),
+        "manifest": (keys.manifest(slot), ParsedKey(kind="manifest", slot=slot)),
         "init": (
             keys.init(fragment, nonce),
             ParsedKey(kind="init", fragment=fragment, nonce=nonce),
         ),
         "lease": (keys.lease(node), ParsedKey(kind="lease", node=node)),
         "head": (keys.head(fragment), ParsedKey(kind="head", fragment=fragment)),
-        "snapshot": (keys.snapshot(r, node), ParsedKey(kind="snapshot", round=r, node=node)),
+        "snapshot": (
+            keys.snapshot(r, node, slot),
+            ParsedKey(kind="snapshot", round=r, node=node, slot=slot),
+        ),
         "claim": (keys.claim(r, attempt), ParsedKey(kind="claim", round=r, attempt=attempt)),
         "params": (keys.params(r, nonce), ParsedKey(kind="params", round=r, nonce=nonce)),
         "state": (keys.state(r, nonce), ParsedKey(kind="state", round=r, nonce=nonce)),
@@ -271,16 +274,32 @@ def test_attempts_outside_four_digits_raise_value_error(attempt: int) -> None:
 
 
 @pytest.mark.parametrize("slot", [-1, keys.MAX_SLOT + 1])
-def test_commit_slots_outside_four_digits_raise_value_error(slot: int) -> None:
-    with pytest.raises(ValueError, match=f"commit slot {slot} outside"):
-        keys.commit(0, slot)
+def test_slots_outside_four_digits_raise_value_error(slot: int) -> None:
+    for make in (
+        lambda: keys.commit(0, slot),
+        lambda: keys.snapshot(0, "a", slot),
+        lambda: keys.manifest(slot),
+    ):
+        with pytest.raises(ValueError, match=f"slot {slot} outside"):
+            make()
 
 
-def test_the_first_commit_key_has_one_spelling() -> None:
-    """Slot 0 is ``commit``: ``commit-0000`` would be a second key for the same slot."""
-    with pytest.raises(FormatError):
-        keys.parse(keys.round_prefix(3) + "commit-0000")
+def test_the_first_key_of_a_slot_sequence_has_one_spelling() -> None:
+    """Slot 0 is ``commit``, ``<node>`` and ``manifest``: a ``0000`` suffix would be a second
+    key for the same slot."""
+    for zero in (
+        keys.round_prefix(3) + "commit-0000",
+        keys.snapshots(3) + "a.0000",
+        "manifest-0000",
+    ):
+        with pytest.raises(FormatError):
+            keys.parse(zero)
     assert keys.parse(keys.commit(3, 1)) == ParsedKey(kind="commit", round=3, slot=1)
+    assert keys.parse(keys.snapshot(3, "a-1", 2)) == ParsedKey(
+        kind="snapshot", round=3, node="a-1", slot=2
+    )
+    assert keys.snapshot(3, "a-1", 2).endswith("/a-1.0002")
+    assert keys.parse(keys.manifest(7)) == ParsedKey(kind="manifest", slot=7)
 
 
 @pytest.mark.parametrize("fragment", [-1, keys.MAX_FRAGMENT + 1])

@@ -19,7 +19,7 @@ from gradientmail._node.exchange import Exchange  # noqa: E402
 from gradientmail.adapters.torch import TorchAdapter, TorchBackend  # noqa: E402
 from gradientmail.core import keys  # noqa: E402
 from gradientmail.core.codecs import compress  # noqa: E402
-from gradientmail.core.envelope import payload_digest, seal  # noqa: E402
+from gradientmail.core.envelope import payload_digest, seal, unseal  # noqa: E402
 from gradientmail.core.errors import FormatError  # noqa: E402
 from gradientmail.core.fragments import partition  # noqa: E402
 from gradientmail.core.records import Commit, Snapshot, to_bytes  # noqa: E402
@@ -126,11 +126,18 @@ def test_the_run_goes_on_and_commits_every_round(run: Run) -> None:
         assert chain == list(range(k, chain[-1] + 1, ALGORITHM.fragments))
 
 
-def test_a_forged_snapshot_is_never_included(run: Run) -> None:
+def test_a_forged_snapshot_is_never_included_and_squats_nothing(run: Run) -> None:
+    """A forgery created at node-2's snapshot key of round 0 before node-2 got there is
+    excluded; node-2's genuine snapshot went to its next snapshot key (``core.slots``) and round
+    0 includes it, so node-2 missed nothing."""
     assert any("bad signature" in reason for reason in run.excluded(0, "node-2"))
-    assert not run.commits[0].includes("node-2")
-    # Its key was taken, so node-2 missed round 0 and carried its work to round 2.
-    assert any(isinstance(e, Rebased) and e.node == "node-2" and e.missed == 0 for e in run.events)
+    included = [i for i in run.commits[0].included if i.node == "node-2"]
+    assert included and included[0].nonce != "f" * 16
+    genuine = asyncio.run(run.store.get(keys.snapshot(0, "node-2", 1)))
+    assert genuine is not None and included[0].nonce in unseal(genuine).record.decode()
+    assert not any(
+        isinstance(e, Rebased) and e.node == "node-2" and e.missed == 0 for e in run.events
+    )
 
 
 def test_a_replayed_snapshot_under_a_new_round_key_is_rejected(run: Run) -> None:
