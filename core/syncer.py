@@ -285,9 +285,14 @@ def _rounds(
     kept: list[RoundState] = []
     reasons: list[str] = []
     until = math.inf
-    for s in state.rounds:
-        if not context.busy and any(k.closing is not None for k in kept):
-            context = attrs.evolve(context, busy=True)
+    for i, s in enumerate(state.rounds):
+        # One close at a time: another round's, earlier or later in the order, holds this one
+        # (the results of a close's reads of other keys are routed to the close in flight).
+        busy = any(k.closing is not None for k in kept) or any(
+            k.closing is not None for k in state.rounds[i + 1 :]
+        )
+        if busy != context.busy:
+            context = attrs.evolve(context, busy=busy)
         s, more, wake, reason = closing.step(s, routed.get(s.round, ()), context, now=now)
         effects += more
         if any(isinstance(e, Committed) for e in more):

@@ -1,6 +1,6 @@
 """How often a syncer LISTs ``leases/`` (``syncer.lease_cadence``, Decision 8): every
 ``lease_every / 2`` seconds while its view decides something (it waits to see the run's nodes,
-or it is attentive to a round), else never."""
+or it is attentive to a round), else never; and one close at a time, whichever round's."""
 
 from __future__ import annotations
 
@@ -11,7 +11,15 @@ import attrs
 
 from gradientmail.core import closing, keys, syncer
 from gradientmail.core.algorithm import DiLoCo
-from gradientmail.core.effects import Gather, LeaseRead, LeasesListed, ListLeases, Result, Watch
+from gradientmail.core.effects import (
+    CreateClaim,
+    Gather,
+    LeaseRead,
+    LeasesListed,
+    ListLeases,
+    Result,
+    Watch,
+)
 from gradientmail.core.fragments import partition
 from gradientmail.core.records import Lease, Manifest, PayloadRef
 from gradientmail.core.tensors import ParameterSpec, Schema
@@ -114,3 +122,20 @@ def test_the_predicted_closer_lists_every_half_renewal() -> None:
     # lease_every / 2 while it is attentive to the round.
     assert state.rounds and all(s.attentive for s in state.rounds)
     assert listed == [12.5, 17.5, 22.5, 27.5]
+
+
+def test_a_round_waits_for_a_close_of_a_later_round_in_flight() -> None:
+    """One close at a time, whichever round's: the results of a close's reads of other keys
+    (a base commit, the winner's commit) go to the close in flight, so a second close, begun by
+    an earlier round while a later one's was running, took them and the later close waited for
+    good (the simulator's swarm seed 307: a node stuck "closing")."""
+    state, _ = run(syncer.SyncerState(), 0.0, 1.0)
+    in_flight = closing.Closing(attempt=0, nonce=NONCE, started=0.0, phase="lost")
+    rounds = (
+        attrs.evolve(closing.RoundState.new(0), reporters=("node-a",), poked=False, due=100.0),
+        attrs.evolve(closing.RoundState.new(1), closing=in_flight),
+    )
+    state = attrs.evolve(state, rounds=rounds)
+    state, effects, reason = syncer.step([], state, now=2.0, settings=SETTINGS)
+    assert not any(isinstance(e, CreateClaim) for e in effects), effects
+    assert "waits for this node's other close" in reason
