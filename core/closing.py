@@ -519,6 +519,7 @@ class Closing:
     norms: tuple[tuple[str, float], ...] = ()
     final: tuple[Included, ...] | None = None
     commit: Commit | None = None
+    dropped: bool = False  # a reporter of the view had only refused keys: decide again
 
 
 @attrs.frozen(kw_only=True)
@@ -532,11 +533,19 @@ class RoundState:
     decide on it (a close of this node's ended without a commit); ``listing``: LISTs in
     flight. ``since``: when this node first left the round to the closer it predicts;
     ``attentive``: whether it reads the round's view every poll (``attentive``), or leaves
-    that to that closer until ``takeover`` seconds after ``since`` (Decision 8)."""
+    that to that closer until ``takeover`` seconds after ``since`` (Decision 8).
+    ``refused``: the snapshot keys (node, slot) a close of this node's found holding no
+    snapshot it can use (a squatter's object, a corrupt one, or too large): they never
+    change, so they are not read again, and a node whose listed keys are all refused is not a
+    reporter. ``retake``: a close of this node's ended to decide again on such a view, so its
+    own claim does not hold the round: the rules decide as if it were absent, and a close takes
+    it up again."""
 
     round: int
     watch: RoundWatch
     reporters: tuple[str, ...] | None = None
+    refused: frozenset[tuple[str, int]] = frozenset()
+    retake: bool = False
     claims: tuple[Claim, ...] = ()
     due: float = -math.inf
     stale: bool = False
@@ -599,11 +608,14 @@ def step(state: RoundState, results: Sequence[Result], ctx: Context, *, now: flo
     r = state.round
     previous = previous_round(ctx.algorithm, r)
     before = ctx.commits.get(previous) if previous >= 0 else None
+    claims = state.claims
+    if state.retake:
+        claims = tuple(c for c in claims if c.nonce != derived(ctx.process, "claim", r, c.attempt))
     view = RoundView(
         round=r,
         reporters=state.reporters,
         previous_reporters=tuple(i.node for i in before.included) if before is not None else None,
-        claims=state.claims,
+        claims=claims,
         # From commits, which are verified in a signed run: a listing could name anyone.
         peers=tuple(sorted(ctx.peers - {ctx.me})),
     )
@@ -664,7 +676,8 @@ def _claim(
     nonce = derived(ctx.process, "claim", r, attempt)
     claim = Claim(node=ctx.me, nonce=nonce, round=r, attempt=attempt)
     closing = Closing(attempt=attempt, nonce=nonce, started=now, phase="claim")
-    return attrs.evolve(state, closing=closing), [*effects, CreateClaim(claim=claim)], None, why
+    state = attrs.evolve(state, closing=closing, retake=False)
+    return state, [*effects, CreateClaim(claim=claim)], None, why
 
 
 def _fold(
@@ -672,7 +685,8 @@ def _fold(
 ) -> tuple[RoundState, list[Effect]]:
     """One result into the round: the view's LISTs, or the close's next step."""
     if isinstance(result, SnapshotsListed) and state.closing is None:
-        nodes = tuple(dict.fromkeys(node for node, _, _ in result.sizes))
+        listed = (node for node, slot, _ in result.sizes if (node, slot) not in state.refused)
+        nodes = tuple(dict.fromkeys(listed))
         if ctx.members is not None:
             nodes = robust.members(nodes, ctx.members)
         listing = max(0, state.listing - 1)
@@ -698,8 +712,8 @@ def _advance(
             return _won(state, closing)
         return _set(state, closing, phase="check"), [ReadClaim(round=r, attempt=closing.attempt)]
     if closing.phase == "check" and isinstance(result, ClaimRead):
-        if result.claim is not None:  # another closer's valid claim
-            return _abort(state), []
+        if result.claim is not None and result.claim.nonce != closing.nonce:
+            return _abort(state), []  # another closer's valid claim
         # The key holds no valid claim (a forgery or garbage, reported): a claim only spares
         # duplicate work, and the create-only commit still commits the round once.
         return _won(state, closing)
@@ -745,13 +759,20 @@ def _listed(
     bound = robust.snapshot_bound(ctx.manifest.fragment_schema(r % ctx.algorithm.fragments))
     effects: list[Effect] = []
     slots: dict[str, list[int]] = {}
+    refused = set(state.refused)
     for node, slot, size in sorted(result.sizes):
+        if (node, slot) in refused:
+            continue
         too_big = robust.oversized(size, bound)
         if too_big is not None:
             effects.append(Excluded(round=r, node=node, reason=too_big, slot=slot))
+            refused.add((node, slot))
         else:
             slots.setdefault(node, []).append(slot)
     reading = tuple((node, tuple(found)) for node, found in slots.items())
+    dropped = any(node not in slots for node in state.reporters or ())
+    state = attrs.evolve(state, refused=frozenset(refused))
+    closing = attrs.evolve(closing, dropped=dropped)
     measure = robust.needs_norms(len(reading), factor=ctx.outlier_factor, clip=ctx.algorithm.clip)
     closing = attrs.evolve(closing, reading=reading, measure=measure)
     state, more = _read_next(state, closing, ctx)
@@ -768,6 +789,11 @@ def _read_next(
         return _set(state, closing, phase="read", waiting=None), [read]
     if closing.final is not None:
         return _based(state, closing, ctx)
+    if closing.dropped:
+        # A node of the view that decided the close has no snapshot to use: its keys hold
+        # only a squatter's objects (core.slots), now known. Decide again on a view without
+        # it, as if the close had not begun; the claim, this node's, is taken up again.
+        return attrs.evolve(_abort(state), retake=True), [Drop(round=state.round)]
     return _summed(state, closing, ctx)
 
 
@@ -794,11 +820,14 @@ def _snapshot(
         return _sum(state, closing, result.record, weights[len(closing.chosen)])
     if result.rejected is not None:
         report = Excluded(round=r, node=node, reason=result.rejected, slot=result.slot)
+        state = attrs.evolve(state, refused=state.refused | {(node, result.slot)})
         later = closing.reading[0][1][1:]
         if later:  # the key is squatted: the node's next key (core.slots)
             closing = attrs.evolve(closing, reading=((node, later), *closing.reading[1:]))
             state, more = _read_next(state, closing, ctx)
             return state, [report, *more]
+        if node in (state.reporters or ()):
+            closing = attrs.evolve(closing, dropped=True)
         return _skip(state, closing, ctx, [report])
     if result.record is None:
         return _skip(state, closing, ctx, [])

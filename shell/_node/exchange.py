@@ -758,6 +758,12 @@ class Exchange:
                     self._written_bytes -= entry.size
 
     @property
+    def manifest_key(self) -> str | None:
+        """The key the run's manifest was last found (or created) at, None before
+        (``core.slots``: the first manifest key whose object verifies)."""
+        return None if self._manifest_slot is None else keys.manifest(self._manifest_slot)
+
+    @property
     def written_limit(self) -> int:
         """The budget, in bytes, for remembering what this node wrote (``written_cache``)."""
         return self._written_limit

@@ -111,6 +111,7 @@ async def audit_async(
     if not await mailbox.list(keys.MANIFEST):
         raise AuditError(["no manifest: the mailbox holds no run"])
     manifest = await read_manifest(exchange, sources=reader.sources)
+    await _report_other_manifests(exchange)
     violations: list[str] = []
     by_round, foreign = await _list_rounds(mailbox)
     commits = await _read_commits(exchange, by_round, violations)
@@ -231,6 +232,20 @@ def _kept(
             if ref.key not in by_round.get(r, {}):
                 problems.append(f"round {r}: {ref.key} was collected while the rule keeps it")
     return problems
+
+
+async def _report_other_manifests(exchange: Exchange) -> None:
+    """Report each object at a manifest key after the run's manifest: no node reads it (those
+    before it were reported by the walk that passed them)."""
+    run = exchange.manifest_key
+    assert run is not None
+    for info in await exchange.mailbox.list(keys.MANIFEST):
+        try:
+            kind = keys.parse(info.key).kind
+        except FormatError:
+            continue  # not a key of ours
+        if kind == "manifest" and info.key > run:
+            exchange.reject(info.key, f"after the run's manifest ({run}): never read")
 
 
 async def _check_snapshots(

@@ -6,16 +6,19 @@ huge weight and a huge delta), a replay of an honest node's genuine snapshot of 
 previous round, an object far larger than any snapshot, a forged claim of attempt 0, a genuine
 claim of an earlier round replayed under attempt 1 and under a foreign key, and attempts to
 overwrite honest snapshots (create-only, so they fail); it squats the round's first two commit
-keys (a forged commit, then garbage: ``core.slots`` passes them); and under ``leases/``, a
-forged lease, a garbage lease and an oversized one. Writes that would change what honest nodes
-can do (deleting or overwriting their objects, squatting their snapshot keys) are the documented
-limits of docs/security.md and are not made here.
+keys (a forged commit, then garbage: ``core.slots`` passes them) and every honest node's first
+two snapshot keys (a forgery naming the node, then an object too large for a snapshot: the node
+publishes at its third); and under ``leases/``, a forged lease, a garbage lease and an oversized
+one. Before the run exists it squats the first two manifest keys (garbage, then an oversized
+object: the run is created at the third). Deleting or overwriting honest objects are the
+documented limits of docs/security.md and are not done here.
 """
 
 from __future__ import annotations
 
 import re
 
+from gradientmail._node.exchange import RECORD_OBJECT_BOUND
 from gradientmail.core import keys
 from gradientmail.core.codecs import compress
 from gradientmail.core.envelope import payload_digest, seal
@@ -34,19 +37,27 @@ from gradientmail.core.tensors import TensorBytes
 from gradientmail.mailboxes._protocol import Mailbox, ObjectInfo, RequestStats
 
 WRONG = Keyring.of(b"not the run secret, but as long.")
-_SNAPSHOT = re.compile(r"rounds/(\d{20})/snapshots/(node-\d+)$")
+_SNAPSHOT = re.compile(r"rounds/(\d{20})/snapshots/(node-\d+)(?:\.\d{4})?$")
 _CLAIM = re.compile(r"rounds/(\d{20})/claims/\d{4}$")
 
 
 class HostileMailbox:
     """Forwards every call to ``inner``, planting hostile objects on the way (see the module)."""
 
-    def __init__(self, inner: Mailbox, *, fragments: int, oversized: int) -> None:
+    def __init__(
+        self,
+        inner: Mailbox,
+        *,
+        fragments: int,
+        oversized: int,
+        nodes: tuple[str, ...] = ("node-0", "node-1", "node-2"),
+    ) -> None:
         self.inner = inner
         self.url = inner.url
         self.stats: RequestStats = inner.stats
         self.fragments = fragments
         self.oversized = oversized
+        self.nodes = nodes
         self.genuine: dict[str, bytes] = {}  # honest snapshot blobs, by key
         self.planted: set[str] = set()
         self.fetched: list[str] = []  # every key an honest node GETs
@@ -60,6 +71,9 @@ class HostileMailbox:
         await self.inner.put(key, data, durable=durable)
 
     async def create(self, key: str, data: bytes, *, durable: bool = True) -> bool:
+        if key == keys.manifest(0) and key not in self.planted:
+            await self._plant(key, b"\x00garbage" * 8)
+            await self._plant(keys.manifest(1), b"\x03" * (RECORD_OBJECT_BOUND + 1))
         match = _SNAPSHOT.match(key)
         if match is not None:
             r = int(match.group(1))
@@ -90,6 +104,9 @@ class HostileMailbox:
     async def _attack(self, r: int) -> None:
         await self._plant(keys.snapshot(r, "mallory"), b"\x00garbage" * 64)
         await self._plant(keys.snapshot(r, "eve"), self._forged_snapshot(r))
+        for node in self.nodes:  # every honest node's first two snapshot keys
+            await self._plant(keys.snapshot(r, node), self._forged_snapshot(r, node))
+            await self._plant(keys.snapshot(r, node, 1), b"\x01" * self.oversized)
         await self._plant(keys.snapshot(r, "oscar"), b"\x01" * self.oversized)
         previous = r - self.fragments
         replayable = [
@@ -119,11 +136,11 @@ class HostileMailbox:
         )
         await self._plant(keys.commit(r, 1), b"\x00garbage" * 8)
 
-    def _forged_snapshot(self, r: int) -> bytes:
+    def _forged_snapshot(self, r: int, node: str = "eve") -> bytes:
         big = TensorBytes(dtype="F32", shape=(8, 4), data=b"\x00\x00\x80\x7e" * 32)
         payload = compress({"0.weight": big}, "off")
         record = Snapshot(
-            node="eve",
+            node=node,
             nonce="e" * 16,
             round=r,
             base_round=r - self.fragments if r >= self.fragments else -1,

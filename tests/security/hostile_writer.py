@@ -3,15 +3,20 @@
 Run as a script by ``test_hostile.py`` beside honest node processes (``tests/shell/worker.py``)
 until the file ``--stop`` appears; then it writes what it did to ``--out`` as JSON.
 
-It reads the bucket as any reader can (the manifest without its signature, the listing, the
-honest objects) and, every ``--interval`` seconds, writes under the run's keys:
+Before the run exists it squats the first two manifest keys (garbage, then an object larger
+than any record: the run is created at the third, ``core.slots``), and touches ``--ready``.
+Once the run exists it plants a forged manifest at the next free manifest key (readers never
+get that far). It reads the bucket as any reader can (the manifest without its signature, the
+listing, the honest objects) and, every ``--interval`` seconds, writes under the run's keys:
 
 * into every round from the first to two fragments' worth past the newest it has seen (so most
   rounds hold its objects before any honest node reports there): a forged snapshot ``eve`` (the
   fragment's exact tensors, every value 1e30, a billion samples, signed with a wrong secret),
   garbage ``mallory``, an object ``oscar`` one byte over the closer's download bound, a forged
   claim of attempt 0, a foreign ``README``, and the round's first two commit keys (a forged
-  commit, then garbage: honest closers pass them, ``core.slots``);
+  commit, then garbage: honest closers pass them, ``core.slots``), and every honest node's
+  (``--nodes``) first two snapshot keys (a forged snapshot naming the node, then an object
+  too large for a snapshot: the node publishes at its third, and its round includes it);
 * replays: an honest snapshot of the fragment's previous round under ``trent``, an honest
   claim under the next attempt's key, an honest commit under a round the run never reaches;
 * forged leases: ``eve`` (wrong secret), ``mallory`` (garbage), ``oscar`` (oversized) and
@@ -20,9 +25,8 @@ honest objects) and, every ``--interval`` seconds, writes under the run's keys:
   forgery through ``create``: the store must refuse every one.
 
 Keys that are create-only are written with the mailbox's ``create``, so the writer races the
-honest nodes as any writer would; it never deletes or overwrites an honest object. It does not
-squat keys that would change the run (an honest node's snapshot key, or overwrite honest
-leases): docs/security.md lists those as known limits.
+honest nodes as any writer would; it never deletes or overwrites an honest object (nor an
+honest lease): docs/security.md lists those as known limits.
 """
 
 from __future__ import annotations
@@ -35,9 +39,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 from hostile import forged_commit
 
 from gradientmail import mailbox_from_url
+from gradientmail._node.exchange import RECORD_OBJECT_BOUND
 from gradientmail.core import keys
 from gradientmail.core.codecs import compress
 from gradientmail.core.envelope import payload_digest, seal, unseal
@@ -53,8 +59,8 @@ FAR = 1_000_000  # replayed commits go this many rounds past their own: the run 
 
 
 class Writer:
-    def __init__(self, mailbox: Mailbox, manifest: Manifest) -> None:
-        self.mailbox, self.manifest = mailbox, manifest
+    def __init__(self, mailbox: Mailbox, manifest: Manifest, nodes: list[str]) -> None:
+        self.mailbox, self.manifest, self.nodes = mailbox, manifest, nodes
         self.K = manifest.algorithm.fragments
         self.planted: set[str] = set()
         self.refused: set[str] = set()  # honest keys a forged create could not replace
@@ -96,7 +102,11 @@ class Writer:
         await self.plant(keys.snapshot(r, "eve"), self._forged_snapshot(r))
         await self.plant(keys.snapshot(r, "mallory"), b"\x00garbage" * 64)
         schema = self.manifest.fragment_schema(r % self.K)
-        await self.plant(keys.snapshot(r, "oscar"), b"\x01" * (snapshot_bound(schema) + 1))
+        oversized = b"\x01" * (snapshot_bound(schema) + 1)
+        await self.plant(keys.snapshot(r, "oscar"), oversized)
+        for node in self.nodes:
+            await self.plant(keys.snapshot(r, node), self._forged_snapshot(r, node))
+            await self.plant(keys.snapshot(r, node, 1), oversized)
         claim = Claim(node="eve", nonce="e" * 16, round=r, attempt=0)
         await self.plant(keys.claim(r, 0), seal(to_bytes(claim, WRONG)))
         await self.plant(f"{keys.round_prefix(r)}README", b"foreign object")
@@ -140,7 +150,7 @@ class Writer:
         await self.mailbox.put(key, data)
         self.planted.add(key)
 
-    def _forged_snapshot(self, r: int) -> bytes:
+    def _forged_snapshot(self, r: int, node: str = "eve") -> bytes:
         schema = self.manifest.fragment_schema(r % self.K)
         huge = b"\xca\xf2\x49\x71"  # 1e30 as little-endian F32
         delta = {
@@ -149,7 +159,7 @@ class Writer:
         }
         payload = compress(delta, "off")
         record = Snapshot(
-            node="eve",
+            node=node,
             nonce="e" * 16,
             round=r,
             base_round=r - self.K if r >= self.K else -1,
@@ -160,23 +170,43 @@ class Writer:
         return seal(to_bytes(record, WRONG), payload)
 
 
-async def manifest_of(mailbox: Mailbox, stop: Path) -> Manifest | None:
-    """The run's manifest once it exists, read as any reader can (no signature check)."""
+async def manifest_of(mailbox: Mailbox, stop: Path) -> tuple[Manifest, int] | None:
+    """The run's manifest once it exists, read as any reader can (no signature check: the
+    first manifest key holding a manifest record), with its slot."""
     while not stop.exists():
-        blob = await mailbox.get(keys.MANIFEST)
-        if blob is not None:
-            return read_record(unseal(blob).record, Manifest, key=keys.MANIFEST)
+        slot = 0
+        while (blob := await mailbox.get(keys.manifest(slot))) is not None:
+            try:
+                return read_record(unseal(blob).record, Manifest), slot
+            except FormatError:
+                slot += 1
         await asyncio.sleep(0.02)
     return None
+
+
+async def squat_manifest(mailbox: Mailbox) -> list[str]:
+    """The first two manifest keys, squatted before the run exists."""
+    planted = []
+    for slot, data in ((0, b"\x00garbage" * 8), (1, b"\x03" * (RECORD_OBJECT_BOUND + 1))):
+        if await mailbox.create(keys.manifest(slot), data):
+            planted.append(keys.manifest(slot))
+    return planted
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     mailbox = mailbox_from_url(args.mailbox)
     stop = Path(args.stop)
-    manifest = await manifest_of(mailbox, stop)
-    if manifest is None:
-        return {"planted": [], "refused": [], "replaced": [], "passes": 0}
-    writer = Writer(mailbox, manifest)
+    squatted = await squat_manifest(mailbox)
+    Path(args.ready).touch()
+    found = await manifest_of(mailbox, stop)
+    if found is None:
+        return {"planted": squatted, "refused": [], "replaced": [], "passes": 0}
+    manifest, slot = found
+    writer = Writer(mailbox, manifest, args.nodes.split(","))
+    writer.planted |= set(squatted)
+    # A forged manifest behind the genuine one: no reader gets that far.
+    forged = attrs.evolve(manifest, nonce="e" * 16, creator="eve")
+    await writer.plant(keys.manifest(slot + 1), seal(to_bytes(forged, WRONG)))
     while not stop.exists():
         await writer.run_pass()
         await asyncio.sleep(args.interval)
@@ -194,6 +224,8 @@ def main() -> int:
     parser.add_argument("--mailbox", required=True)
     parser.add_argument("--stop", required=True, help="stop once this file exists")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--ready", required=True, help="touched once the manifest is squatted")
+    parser.add_argument("--nodes", required=True, help="the honest node ids, comma-separated")
     parser.add_argument("--interval", type=float, default=0.02, help="seconds between passes")
     args = parser.parse_args()
     started = time.monotonic()

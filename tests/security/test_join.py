@@ -62,6 +62,56 @@ def test_a_node_with_the_wrong_secret_cannot_join_a_signed_run() -> None:
         Session(make_model(), algorithm=ALGORITHM, mailbox=mailbox, secret=THIRD, **QUICK)  # type: ignore[arg-type]
 
 
+def test_garbage_at_the_manifest_keys_is_passed_and_the_run_created_behind_it() -> None:
+    """A writer without the secret created garbage at ``manifest`` and an object too large for
+    a record at ``manifest-0001`` before the run existed: the creator passes both (read twice
+    each, ``core.slots``) and creates the run at ``manifest-0002``, where every node and reader
+    finds it; a node with a wrong secret still fails with the clear line, creating nothing."""
+    from gradientmail._node.exchange import RECORD_OBJECT_BOUND
+
+    mailbox = MemoryMailbox()
+    asyncio.run(mailbox.create(keys.manifest(0), b"\x00garbage" * 8))
+    asyncio.run(mailbox.create(keys.manifest(1), b"\x03" * (RECORD_OBJECT_BOUND + 1)))
+    creator = Node(
+        TorchAdapter(make_model()),
+        algorithm=ALGORITHM,
+        mailbox=mailbox,
+        clock=MonotonicClock(),
+        learner_id="creator",
+        keyring=Keyring.of(OLD),
+    )
+    asyncio.run(creator.join())
+    assert asyncio.run(mailbox.get(keys.manifest(2))) is not None
+    with Session(make_model(), algorithm=ALGORITHM, mailbox=mailbox, secret=OLD, **QUICK) as s:  # type: ignore[arg-type]
+        assert s.rounds_seen == -1
+    assert align(make_model(), mailbox=mailbox, secret=OLD) == -1
+    with pytest.raises(ProtocolError, match="does not verify with this node's secret"):
+        Session(make_model(), algorithm=ALGORITHM, mailbox=mailbox, secret=THIRD, **QUICK)  # type: ignore[arg-type]
+    assert asyncio.run(mailbox.get(keys.manifest(3))) is None, "no second run"
+
+
+def test_a_forged_manifest_before_the_run_stops_its_creation_with_one_clear_line() -> None:
+    """A well-formed manifest signed under another secret, created at ``manifest`` before the
+    run: no node can tell it from a run signed under a secret it does not hold (its own secret
+    wrong), so a node with a secret refuses to create a run past it, with one line that says
+    both and how to recover (docs/security.md, "Known limits"). It wrote nothing; once an
+    operator deletes the forgery, the run is created at ``manifest``."""
+    genuine = created(Keyring.of(THIRD))  # a manifest in every way valid but its secret
+    forged = asyncio.run(genuine.get(keys.manifest(0)))
+    assert forged is not None
+    mailbox = MemoryMailbox()
+    asyncio.run(mailbox.create(keys.manifest(0), forged))
+    with pytest.raises(
+        ProtocolError, match=r"does not verify .*a wrong secret, or a forged manifest: delete"
+    ):
+        Session(make_model(), algorithm=ALGORITHM, mailbox=mailbox, secret=OLD, **QUICK)  # type: ignore[arg-type]
+    assert [i.key for i in asyncio.run(mailbox.list(""))] == [keys.manifest(0)], "wrote nothing"
+    asyncio.run(mailbox.delete(keys.manifest(0)))
+    with Session(make_model(), algorithm=ALGORITHM, mailbox=mailbox, secret=OLD, **QUICK) as s:  # type: ignore[arg-type]
+        assert s.rounds_seen == -1
+    assert asyncio.run(mailbox.get(keys.manifest(1))) is None
+
+
 def test_a_node_with_a_secret_cannot_join_an_unsigned_run() -> None:
     mailbox = created(None)
     with pytest.raises(ProtocolError, match="run is not signed but this node has a secret"):
@@ -110,7 +160,7 @@ async def _signers(store: MemoryMailbox, rounds: list[int]) -> set[str]:
             except FormatError:
                 continue
             found.add(name)
-    assert await store.get(keys.MANIFEST) is not None
+    assert await store.get(keys.manifest(0)) is not None
     return found
 
 

@@ -104,10 +104,21 @@ def test_f1_a_lease_missing_from_one_listing_does_not_expire_it() -> None:
 
 
 def test_f6_nodes_held_in_opposite_phases_publish_what_they_owe() -> None:
-    # The 200-seed swarm's seed 107 (8 nodes, 2 fragments, a quorum of every node, overlap 1):
-    # two late joiners were each held by a round the other had yet to publish, and rounds 11
-    # and 12 never committed. A node held at the bound now publishes the rounds it owes first.
-    outcome = run_seed(107, nodes=8, rounds=6, keep_trace=False)
+    # Found by the 200-seed swarm (seed 107; 8 nodes, 2 fragments, a quorum of every node,
+    # overlap 1): two late joiners were each held by a round the other had yet to publish, and
+    # two rounds never committed. Those settings with seed 48 show it with the code of today
+    # (seed 107's draws have since changed): without the held rule nodes n002 and n007 stay
+    # held and rounds 7 and 10 never commit. A node held at the bound now publishes the rounds
+    # it owes first.
+    fixed = {
+        "quorum_size": 8,
+        "late_joiners": 0.5,
+        "overlap_steps": 1,
+        "fragments": 2,
+        "inner_steps": 4,
+        "grace": 5.0,
+    }
+    outcome = run_seed(48, nodes=8, rounds=6, fixed=fixed, keep_trace=False)
     assert outcome.violations == (), outcome.violations
     assert outcome.committed >= 12
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -21,7 +22,7 @@ from specs.config import Config
 from specs.explore import explore, random_walk, replay
 from specs.invariants import check, first_rounds_expect_all
 from specs.liveness import settle
-from specs.mailbox import Forged, commit_at
+from specs.mailbox import Forged, commit_at, manifest_at, snapshot_at
 from specs.state import Event, World
 from specs.view import _mailbox as view_mailbox
 from specs.view import fingerprint
@@ -55,6 +56,8 @@ CI_CONFIGS = [
     Config(nodes=2, rounds=1, leave=False, quorum=2, grace=1, quick_leases=True, idle_polls=1),
     # A forger squats commit keys (core.slots): 20,980 distinct states in about 20 s.
     Config(nodes=1, rounds=2, forgeries=2),
+    # ... or a snapshot key, or the manifest key before the run: 16,784 states in about 11 s.
+    Config(nodes=1, rounds=2, forgeries=1, squats=frozenset({"commit", "snapshot", "manifest"})),
 ]
 # Exhausted by hand (`--runslow`): 172,378 distinct states in about three minutes.
 SLOW_CONFIGS = [
@@ -69,6 +72,17 @@ BOUNDED_CONFIGS = [
     Config(nodes=2, rounds=1, leave=False, crashes=1),
     Config(nodes=2, fragments=2, rounds=2, leave=False),
     Config(nodes=2, rounds=1, leave=False, forgeries=1),
+    # A squatted snapshot key under the other node's name, before it publishes: the closer's
+    # view counts it until a close refuses it, then decides again (closing.RoundState.refused).
+    Config(
+        nodes=2,
+        rounds=1,
+        leave=False,
+        forgeries=1,
+        squats=frozenset({"snapshot"}),
+        quick_leases=True,
+        idle_polls=1,
+    ),
 ]
 BOUND = 200_000
 
@@ -312,14 +326,12 @@ def test_random_walks_hold_and_find_a_planted_bug() -> None:
     assert found is not None and found.name in ("merges-forward", "samples-once")
 
 
-def test_a_squatted_commit_key_moves_the_commit_to_the_next_key() -> None:
-    """The explored forger does reach the rounds it squats: breadth-first over a one-node world
-    with two forgeries, some state has round 0's commit at its third key behind two squatted
-    ones, every state holds every invariant, and no round is committed twice."""
-    config = Config(nodes=1, rounds=1, forgeries=2, leave=False)
+def first_state(config: Config, wanted: Callable[[World], bool]) -> World:
+    """Breadth-first over ``config``'s world: the first state ``wanted`` holds in, checking
+    every state on the way against every invariant (and no round committed twice)."""
     world = initial(config)
-    seen, frontier, found = {fingerprint(world)}, [world], None
-    while frontier and found is None:
+    seen, frontier = {fingerprint(world)}, [world]
+    while frontier:
         following = []
         for w in frontier:
             for _, after in successors(w):
@@ -329,16 +341,60 @@ def test_a_squatted_commit_key_moves_the_commit_to_the_next_key() -> None:
                 seen.add(fp)
                 assert check(after) is None, check(after)
                 assert all(count == 1 for _, count in after.commit_writes)
-                if isinstance(commit_at(after.mailbox, 0)[1], Commit) and isinstance(
-                    after.mailbox.get(keys.commit(0, 1)), Forged
-                ):
-                    found = after
+                if wanted(after):
+                    return after
                 following.append(after)
         frontier = following
-    assert found is not None, f"no state of {len(seen)} commits behind squatted keys"
+    raise AssertionError(f"no such state among {len(seen)}")
+
+
+def test_a_squatted_commit_key_moves_the_commit_to_the_next_key() -> None:
+    """The explored forger does reach the rounds it squats: breadth-first over a one-node world
+    with two forgeries, some state has round 0's commit at its third key behind two squatted
+    ones, every state holds every invariant, and no round is committed twice."""
+    config = Config(nodes=1, rounds=1, forgeries=2, leave=False)
+    found = first_state(
+        config,
+        lambda w: (
+            isinstance(commit_at(w.mailbox, 0)[1], Commit)
+            and isinstance(w.mailbox.get(keys.commit(0, 1)), Forged)
+        ),
+    )
     key, commit = commit_at(found.mailbox, 0)
     assert key == keys.commit(0, 2) and commit is not None
     assert isinstance(found.mailbox.get(keys.commit(0)), Forged)
+
+
+def test_a_squatted_snapshot_key_moves_the_snapshot_and_its_round_includes_it() -> None:
+    """A forgery at n0's first snapshot key of round 0, planted before n0 publishes: n0
+    publishes at its next key, and round 0's commit includes it (core.slots)."""
+    config = Config(nodes=1, rounds=1, forgeries=1, squats=frozenset({"snapshot"}), leave=False)
+
+    def wanted(w: World) -> bool:
+        commit = commit_at(w.mailbox, 0)[1]
+        return (
+            isinstance(commit, Commit)
+            and isinstance(w.mailbox.get(keys.snapshot(0, "n0")), Forged)
+            and commit.includes("n0")
+        )
+
+    found = first_state(config, wanted)
+    key, snap = snapshot_at(found.mailbox, 0, "n0")
+    assert key == keys.snapshot(0, "n0", 1) and snap is not None
+
+
+def test_a_squatted_manifest_key_moves_the_run_to_the_next_key() -> None:
+    """A forgery at ``manifest`` before the run exists: the run is created at
+    ``manifest-0001``, and its first round commits."""
+    config = Config(nodes=1, rounds=1, forgeries=1, squats=frozenset({"manifest"}), leave=False)
+    found = first_state(
+        config,
+        lambda w: (
+            isinstance(w.mailbox.get(keys.manifest(0)), Forged)
+            and isinstance(commit_at(w.mailbox, 0)[1], Commit)
+        ),
+    )
+    assert manifest_at(found.mailbox)[0] == keys.manifest(1)
 
 
 def test_the_command_prints_a_trace_or_no_violation(capsys: pytest.CaptureFixture[str]) -> None:
