@@ -33,8 +33,9 @@ def no_secret_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
 
 
-def created(keyring: Keyring | None) -> MemoryMailbox:
-    mailbox = MemoryMailbox()
+def created(keyring: Keyring | None, mailbox: MemoryMailbox | None = None) -> MemoryMailbox:
+    """``mailbox`` (a new one by default) holding a run created by a node with ``keyring``."""
+    mailbox = mailbox or MemoryMailbox()
     creator = Node(
         TorchAdapter(make_model()),
         algorithm=ALGORITHM,
@@ -72,15 +73,7 @@ def test_garbage_at_the_manifest_keys_is_passed_and_the_run_created_behind_it() 
     mailbox = MemoryMailbox()
     asyncio.run(mailbox.create(keys.manifest(0), b"\x00garbage" * 8))
     asyncio.run(mailbox.create(keys.manifest(1), b"\x03" * (RECORD_OBJECT_BOUND + 1)))
-    creator = Node(
-        TorchAdapter(make_model()),
-        algorithm=ALGORITHM,
-        mailbox=mailbox,
-        clock=MonotonicClock(),
-        learner_id="creator",
-        keyring=Keyring.of(OLD),
-    )
-    asyncio.run(creator.join())
+    created(Keyring.of(OLD), mailbox)
     assert asyncio.run(mailbox.get(keys.manifest(2))) is not None
     with Session(make_model(), algorithm=ALGORITHM, mailbox=mailbox, secret=OLD, **QUICK) as s:  # type: ignore[arg-type]
         assert s.rounds_seen == -1
