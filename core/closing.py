@@ -519,7 +519,6 @@ class Closing:
     norms: tuple[tuple[str, float], ...] = ()
     final: tuple[Included, ...] | None = None
     commit: Commit | None = None
-    dropped: bool = False  # a reporter of the view had only refused keys: decide again
 
 
 @attrs.frozen(kw_only=True)
@@ -718,9 +717,9 @@ def _advance(
         # duplicate work, and the create-only commit still commits the round once.
         return _won(state, closing)
     if closing.phase == "list" and isinstance(result, SnapshotsListed):
-        return _listed(state, closing, result, ctx)
+        return _listed(state, closing, result, ctx, now)
     if closing.phase == "read" and isinstance(result, SnapshotRead):
-        return _snapshot(state, closing, result, ctx)
+        return _snapshot(state, closing, result, ctx, now)
     if closing.phase == "sum" and isinstance(result, Accumulated):
         return _accumulated(state, closing, result, ctx)
     if closing.phase == "base" and isinstance(result, CommitRead):
@@ -753,7 +752,7 @@ def _won(state: RoundState, closing: Closing) -> tuple[RoundState, list[Effect]]
 
 
 def _listed(
-    state: RoundState, closing: Closing, result: SnapshotsListed, ctx: Context
+    state: RoundState, closing: Closing, result: SnapshotsListed, ctx: Context, now: float
 ) -> tuple[RoundState, list[Effect]]:
     r = state.round
     bound = robust.snapshot_bound(ctx.manifest.fragment_schema(r % ctx.algorithm.fragments))
@@ -770,13 +769,45 @@ def _listed(
         else:
             slots.setdefault(node, []).append(slot)
     reading = tuple((node, tuple(found)) for node, found in slots.items())
-    dropped = any(node not in slots for node in state.reporters or ())
     state = attrs.evolve(state, refused=frozenset(refused))
-    closing = attrs.evolve(closing, dropped=dropped)
+    gone = tuple(node for node in state.reporters or () if node not in slots)
+    if gone:
+        state, held = _drop_reporters(state, gone, ctx, now)
+        if held is not None:
+            return held[0], effects + held[1]
     measure = robust.needs_norms(len(reading), factor=ctx.outlier_factor, clip=ctx.algorithm.clip)
     closing = attrs.evolve(closing, reading=reading, measure=measure)
     state, more = _read_next(state, closing, ctx)
     return state, effects + more
+
+
+def _drop_reporters(
+    state: RoundState, gone: Sequence[str], ctx: Context, now: float
+) -> tuple[RoundState, tuple[RoundState, list[Effect]] | None]:
+    """Reporters of the view whose every listed snapshot key the close refused (a squatter's
+    objects under their names, core.slots) are no reporters: take them out of the view. When
+    the round is still closable without them (``_closable``: every expected node reported, or
+    the quorum's grace ran out), the close goes on without them; otherwise it ends, and the
+    round is decided again on the view without them (its own claim is taken up again). So a
+    squatter can delay a round by at most its grace, however many keys it plants."""
+    reporters = tuple(n for n in state.reporters or () if n not in gone)
+    state = attrs.evolve(state, reporters=reporters)
+    r = state.round
+    previous = previous_round(ctx.algorithm, r)
+    before = ctx.commits.get(previous) if previous >= 0 else None
+    view = RoundView(
+        round=r,
+        reporters=reporters,
+        previous_reporters=tuple(i.node for i in before.included) if before is not None else None,
+        claims=(),
+        peers=tuple(sorted(ctx.peers - {ctx.me})),
+    )
+    watch, wait = _closable(view, state.watch, ctx.leases, ctx.algorithm, now, ctx.lease_timeout)
+    state = attrs.evolve(state, watch=watch)
+    if wait is None:
+        return state, None
+    ended = attrs.evolve(_abort(state), retake=True)
+    return state, (ended, [Drop(round=r)])
 
 
 def _read_next(
@@ -789,11 +820,6 @@ def _read_next(
         return _set(state, closing, phase="read", waiting=None), [read]
     if closing.final is not None:
         return _based(state, closing, ctx)
-    if closing.dropped:
-        # A node of the view that decided the close has no snapshot to use: its keys hold
-        # only a squatter's objects (core.slots), now known. Decide again on a view without
-        # it, as if the close had not begun; the claim, this node's, is taken up again.
-        return attrs.evolve(_abort(state), retake=True), [Drop(round=state.round)]
     return _summed(state, closing, ctx)
 
 
@@ -806,7 +832,7 @@ def _skip(
 
 
 def _snapshot(
-    state: RoundState, closing: Closing, result: SnapshotRead, ctx: Context
+    state: RoundState, closing: Closing, result: SnapshotRead, ctx: Context, now: float
 ) -> tuple[RoundState, list[Effect]]:
     r, node = state.round, result.node
     if not closing.reading or (node, result.slot) != _in_hand(closing):
@@ -827,7 +853,9 @@ def _snapshot(
             state, more = _read_next(state, closing, ctx)
             return state, [report, *more]
         if node in (state.reporters or ()):
-            closing = attrs.evolve(closing, dropped=True)
+            state, held = _drop_reporters(state, (node,), ctx, now)
+            if held is not None:
+                return held[0], [report, *held[1]]
         return _skip(state, closing, ctx, [report])
     if result.record is None:
         return _skip(state, closing, ctx, [])
@@ -900,14 +928,16 @@ def _summed(state: RoundState, closing: Closing, ctx: Context) -> tuple[RoundSta
         chosen, norms, inner_steps=ctx.algorithm.inner_steps, factor=ctx.outlier_factor
     )
     dropped = {node for node, _ in out}
-    effects: list[Effect] = [Excluded(round=r, node=n, reason=why) for n, why in out]
+    read_at = dict(closing.slots)
+    effects: list[Effect] = [
+        Excluded(round=r, node=n, reason=why, slot=read_at.get(n, 0)) for n, why in out
+    ]
     final = tuple(i for i in chosen if i.node not in dropped)
     scales: dict[str, float] = {}
     if ctx.algorithm.clip is not None and final:
         scales = robust.clip_scales(
             final, norms, inner_steps=ctx.algorithm.inner_steps, clip=ctx.algorithm.clip
         )
-        read_at = dict(closing.slots)
         effects += [
             Clipped(round=r, node=n, factor=f, slot=read_at[n])
             for n, f in sorted(scales.items())
@@ -919,7 +949,6 @@ def _summed(state: RoundState, closing: Closing, ctx: Context) -> tuple[RoundSta
     if not final:
         state, more = _based(state, attrs.evolve(closing, chosen=()), ctx)
         return state, effects + more
-    read_at = dict(closing.slots)
     reading = tuple((i.node, (read_at[i.node],)) for i in final)
     again = attrs.evolve(closing, reading=reading, chosen=(), final=final)
     state, more = _read_next(state, again, ctx)

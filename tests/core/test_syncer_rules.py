@@ -475,3 +475,72 @@ def test_peers_do_not_matter_once_the_fragment_has_a_previous_round() -> None:
     v = attrs.evolve(view(5, ["a"], previous=["a"]), peers=("b",))
     _, decision = decide(v, RoundWatch(round=5), ls, "a", T0, algo(quorum=3))
     assert isinstance(decision, ClaimRound)
+
+
+def _listed_close(quorum: int, now: float) -> tuple[rules.RoundState, list[object]]:
+    """Round 0 of nodes a and b, closed by a: its view counted b, whose only snapshot key a
+    close of a's has refused (a squatter's object under b's name); the close's LIST now shows
+    the keys of both."""
+    from gradientmail.core import keys
+    from gradientmail.core.effects import SnapshotsListed
+    from gradientmail.core.fragments import partition
+    from gradientmail.core.records import Manifest, PayloadRef
+    from gradientmail.core.rules import RULES
+    from gradientmail.core.tensors import ParameterSpec, Schema
+
+    schema = Schema.of([ParameterSpec(name="w", dtype="F32", shape=(4,))])
+    manifest = Manifest(
+        nonce=NONCE,
+        creator="a",
+        schema=schema,
+        algorithm=algo(quorum=quorum, grace=30.0),
+        fragments=partition(schema, 1),
+        init=(PayloadRef(key=keys.init(0, NONCE), digest=DIGEST, size=16),),
+    )
+    ctx = rules.Context(
+        me="a",
+        process=NONCE,
+        manifest=manifest,
+        leases=leases(["a", "b"], now=now),
+        commits={},
+        peers=frozenset(),
+        members=None,
+        lease_timeout=TIMEOUT,
+        takeover=TAKEOVER,
+        poll_interval=1.0,
+        outlier_factor=None,
+        rules=RULES,
+    )
+    state = attrs.evolve(
+        rules.RoundState.new(0),
+        reporters=("a", "b"),
+        refused=frozenset({("b", 0)}),
+        watch=RoundWatch(round=0, quorum_since=T0, open_since=T0),
+        closing=rules.Closing(attempt=0, nonce=NONCE, started=T0, phase="list"),
+    )
+    listed = SnapshotsListed(round=0, sizes=(("a", 0, 100), ("b", 0, 100)))
+    state, effects, _, _ = rules.step(state, [listed], ctx, now=now)
+    return state, list(effects)
+
+
+def test_a_reporter_with_only_refused_keys_ends_a_close_the_view_would_not_allow() -> None:
+    """Without b, round 0 has one reporter of quorum 2: the close ends before reading any
+    snapshot, the view drops b, and a takes its own claim up again when it decides."""
+    from gradientmail.core.effects import Drop, ReadSnapshot
+
+    state, effects = _listed_close(quorum=2, now=T0 + 1)
+    assert state.closing is None and state.retake and state.reporters == ("a",)
+    assert any(isinstance(e, Drop) for e in effects)
+    assert not any(isinstance(e, ReadSnapshot) for e in effects)
+
+
+def test_a_reporter_with_only_refused_keys_is_left_out_once_the_grace_ran_out() -> None:
+    """With the quorum met without b and its grace over, the close goes on without b: planted
+    keys under a node's name delay a round by at most its grace."""
+    from gradientmail.core.effects import ReadSnapshot
+
+    state, effects = _listed_close(quorum=1, now=T0 + 31)
+    assert state.closing is not None and state.reporters == ("a",)
+    assert [e for e in effects if isinstance(e, ReadSnapshot)] == [
+        ReadSnapshot(round=0, node="a", slot=0)
+    ]
