@@ -387,23 +387,22 @@ class Exchange:
         by a record that is ours (an ambiguous create), that verifies (another node created the
         run), or that is a well-formed manifest that does not verify (``core.join`` decides) is
         the outcome; one taken by anything else is passed and the next key tried."""
-        data = self._seal(manifest)
-        slot: int | None = self._passed.get(keys.manifest(0), 0)
-        while slot is not None:
-            key = keys.manifest(slot)
-            created = await self.create_record(key, data)
-            if created.outcome == "created" or identity.ours(created, manifest.nonce):
-                self._manifest_slot = slot
-                return created
+
+        async def stands(key: str, slot: int) -> bool:
             found = await self._judged(key, partial(self._record, key, Manifest))
             if not isinstance(found, FormatError):
-                return created
+                return True
             record = await self._unverified(key)
             if record is not None:  # told apart by no node: core.join refuses to go past it
                 self._unverified_manifests.append((key, record.signed, str(found)))
-                return created
-            slot = slots.next_slot(slot, "refused")
-        raise _every_key_squatted(keys.manifest(keys.MAX_SLOT), "manifest key")
+            return record is not None
+
+        created, slot = await self._create_in_sequence(
+            keys.manifest, self._seal(manifest), manifest.nonce, stands, "manifest key"
+        )
+        if created.outcome == "created" or identity.ours(created, manifest.nonce):
+            self._manifest_slot = slot
+        return created
 
     async def put_manifest(self, manifest: Manifest) -> None:
         """Overwrite the manifest with ``manifest`` signed by this keyring, at the key the
@@ -474,16 +473,44 @@ class Exchange:
         When the key is taken by a record that is ours (an ambiguous create) or that verifies,
         that is the outcome; by anything else, the key is passed and the next one tried."""
         r = commit.round
-        data = self._seal(commit)
-        slot: int | None = self._passed.get(keys.commit(r), 0)
+
+        async def stands(key: str, slot: int) -> bool:
+            return not isinstance(await self._judged_commit(r, slot, verify=True), FormatError)
+
+        created, _ = await self._create_in_sequence(
+            partial(keys.commit, r),
+            self._seal(commit),
+            commit.nonce,
+            stands,
+            "commit key of the round",
+        )
+        return created
+
+    async def _create_in_sequence(
+        self,
+        key_of: Callable[[int], str],
+        data: Data,
+        nonce: str,
+        stands: Callable[[str, int], Awaitable[bool]],
+        what: str,
+        *,
+        durable: bool = True,
+    ) -> tuple[Created, int]:
+        """Create ``data`` at the first key of a slot sequence (``key_of(slot)``) not known to
+        hold an object that does not verify (``core.slots``), and say what became of it and at
+        which slot. A key taken by our own record (an ambiguous create), or by an object that
+        ``stands`` (it verifies: another writer's outcome), ends the walk; any other object is
+        passed and the next key tried."""
+        slot: int | None = self._passed.get(key_of(0), 0)
         while slot is not None:
-            created = await self.create_record(keys.commit(r, slot), data)
-            if created.outcome == "created" or identity.ours(created, commit.nonce):
-                return created
-            if not isinstance(await self._judged_commit(r, slot, verify=True), FormatError):
-                return created
+            key = key_of(slot)
+            created = await self.create_record(key, data, durable=durable)
+            if created.outcome == "created" or identity.ours(created, nonce):
+                return created, slot
+            if await stands(key, slot):
+                return created, slot
             slot = slots.next_slot(slot, "refused")
-        raise _every_key_squatted(keys.commit(r, keys.MAX_SLOT), "commit key of the round")
+        raise _every_key_squatted(key_of(keys.MAX_SLOT), what)
 
     async def claims(self, r: int) -> list[Claim]:
         """The valid claims of round ``r``; corrupt, oversized, forged or misplaced ones are
@@ -573,29 +600,30 @@ class Exchange:
         # Joined only when remembered (or for a mailbox that takes no parts): a large
         # unquantized snapshot is written from the tensors' memory, never copied whole.
         blob = joined(parts) if remember and size <= self._written_limit else None
-        slot: int | None = self._passed.get(keys.snapshot(r, node), 0)
-        while slot is not None:
-            key = keys.snapshot(r, node, slot)
-            # Not durable (docs/decisions.md, "What must survive a crash"): a snapshot
-            # lost with the machine is a round missed by its node, which crashed with it.
-            created = await self.create_record(key, blob or parts, durable=False)
-            if created.outcome == "created" or identity.ours(created, snapshot.nonce):
-                if blob is not None:
-                    self._remember(key, tensors or {}, blob=blob, record=snapshot)
-                    if slot:  # forgotten by its first key's name (``forget_written``)
-                        with self._written_lock:
-                            self._moved[keys.snapshot(r, node)] = key
-                return created
-            found = await self._judged(
-                key,
-                partial(self.snapshot, r, node, slot=slot, limit=bound, bound=bound, parse=False),
-            )
-            if not isinstance(found, FormatError):
-                return created
-            slot = slots.next_slot(slot, "refused")
-        raise _every_key_squatted(
-            keys.snapshot(r, node, keys.MAX_SLOT), f"snapshot key of {node} in round {r}"
+
+        async def stands(key: str, slot: int) -> bool:
+            read = partial(self.snapshot, r, node, slot=slot, limit=bound, bound=bound, parse=False)
+            return not isinstance(await self._judged(key, read), FormatError)
+
+        # Not durable (docs/decisions.md, "What must survive a crash"): a snapshot lost with
+        # the machine is a round missed by its node, which crashed with it.
+        created, slot = await self._create_in_sequence(
+            partial(keys.snapshot, r, node),
+            blob or parts,
+            snapshot.nonce,
+            stands,
+            f"snapshot key of {node} in round {r}",
+            durable=False,
         )
+        if blob is not None and (
+            created.outcome == "created" or identity.ours(created, snapshot.nonce)
+        ):
+            key = keys.snapshot(r, node, slot)
+            self._remember(key, tensors or {}, blob=blob, record=snapshot)
+            if slot:  # forgotten by its first key's name (``forget_written``)
+                with self._written_lock:
+                    self._moved[keys.snapshot(r, node)] = key
+        return created
 
     async def snapshot(
         self,
