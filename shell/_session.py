@@ -145,11 +145,12 @@ class Session:
     spill_base, spill_dir
         Whether the node keeps each fragment's base (the newest merged commit, which every
         delta is measured from: one F32 copy of the model) in an anonymous file in
-        ``spill_dir`` (the system's temporary directory by default) instead of memory. The
-        page cache holds it while memory is free; the file is unlinked at once, so nothing is
-        left behind. None (the default) spills on the CPU (torch's CPU device, MLX) and keeps
-        a CUDA base on its device. Put ``spill_dir`` on a disk, not a tmpfs, or the base
-        stays in memory.
+        ``spill_dir`` (the system's temporary directory by default) instead of memory, and
+        (as the closer of a round) each fragment's outer momentum when it exceeds the 64 MiB
+        kept in memory: up to twice the model's F32 bytes of disk. The page cache holds the
+        files while memory is free; each is unlinked at once, so nothing is left behind. None
+        (the default) spills on the CPU (torch's CPU device, MLX) and keeps a CUDA base on its
+        device. Put ``spill_dir`` on a disk, not a tmpfs, or the files stay in memory.
     """
 
     def __init__(

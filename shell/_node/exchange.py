@@ -590,13 +590,12 @@ class Exchange:
         most ``bound`` bytes) is passed and the next key tried. ``tensors``, the payload's tensors
         before compression, are remembered with the bytes: a ``snapshot`` read that finds the
         very bytes published returns them without verifying and parsing the bytes again.
-        Without ``tensors`` (a closer that holds its learner's delta) the bytes alone are
-        remembered when they are small (a quarter of the budget): comparing them costs less
-        than hashing what is read back, and holding them little."""
+        Without ``tensors`` nothing is remembered: the node's closer holds its learner's delta
+        and does not read its own snapshot back."""
         r, node = snapshot.round, snapshot.node
         parts = seal_parts(to_bytes(snapshot, self.keyring), payload, compression=compression)
         size = data_size(parts)
-        remember = tensors is not None or size <= self._written_limit // 4
+        remember = tensors is not None
         # Joined only when remembered (or for a mailbox that takes no parts): a large
         # unquantized snapshot is written from the tensors' memory, never copied whole.
         blob = joined(parts) if remember and size <= self._written_limit else None
@@ -639,7 +638,7 @@ class Exchange:
         tensors (at most ``limit`` bytes decompressed); ``FormatError`` when corrupt,
         mismatched, or above ``bound`` bytes (then not downloaded). Without ``parse`` the
         payload is verified against the record's digest but not parsed, and no tensors are
-        returned (a closer that holds its own delta)."""
+        returned (a writer judging whether a taken key's object stands)."""
         key = keys.snapshot(r, node, slot)
         try:
             blob = await self.get(key, limit=bound)

@@ -14,7 +14,7 @@ from gradientmail._clock import Bell
 from gradientmail._node.spill import Base, SpilledBase
 from gradientmail.adapters.base import Tensors
 from gradientmail.core.effects import Publish
-from gradientmail.core.records import Commit
+from gradientmail.core.records import Commit, Snapshot
 
 __all__ = ["Handoff", "Handover", "Job", "OwnSnapshot", "Ready"]
 
@@ -100,24 +100,28 @@ class Handoff:
 
 @attrs.frozen(kw_only=True, eq=False)
 class OwnSnapshot:
-    """This node's snapshot of a round as its learner published it: the record's ``nonce``
-    and payload ``digest``, and the F32 ``delta`` that decoding the payload gives back (an
-    unquantized payload holds exactly its bytes)."""
+    """This node's snapshot of a round as its learner published it: the ``record``, the
+    ``key`` it was created at (create-only: the object there is this one), and the F32
+    ``delta`` that decoding the payload gives back (an unquantized payload holds exactly its
+    bytes)."""
 
-    nonce: str
-    digest: str
+    record: Snapshot
+    key: str
     delta: Tensors
 
 
 class Handover:
     """Tensors the learner loop and the syncer pass along, each the very tensors reading the
-    store would give: this node's own unquantized snapshots (for its closer) and the parameters
-    of the commits its closer wrote (for its learner, once)."""
+    store would give: this node's own unquantized snapshots (for its closer), the parameters
+    of the commits its closer wrote (for its learner, once), and the newest commit's
+    parameters of each fragment as the learner keeps them in a file (for its closer: the F32
+    master an outer step starts from)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._own: dict[int, OwnSnapshot] = {}
         self._params: dict[int, tuple[str, Tensors]] = {}
+        self._bases: dict[int, tuple[int, str, SpilledBase]] = {}
 
     def put_own(self, r: int, own: OwnSnapshot) -> None:
         with self._lock:
@@ -144,6 +148,22 @@ class Handover:
             held = self._params.get(r)
             if held is not None and held[0] == nonce:
                 del self._params[r]
+
+    def put_base(self, commit: Commit, base: SpilledBase) -> None:
+        """``commit``'s parameters in a file (``spill``), replacing an older commit's of its
+        fragment (whose file closes once no one else holds it)."""
+        with self._lock:
+            held = self._bases.get(commit.fragment)
+            if held is None or held[0] <= commit.round:
+                self._bases[commit.fragment] = (commit.round, commit.nonce, base)
+
+    def base(self, fragment: int, commit: Commit) -> SpilledBase | None:
+        """The file of ``commit``'s parameters (same fragment, round and nonce), if held."""
+        with self._lock:
+            held = self._bases.get(fragment)
+        if held is None or (held[0], held[1]) != (commit.round, commit.nonce):
+            return None
+        return held[2]
 
     def take_params(self, commit: Commit) -> Tensors | None:
         """The parameters handed over with ``commit`` (same round and nonce), once."""

@@ -111,7 +111,7 @@ class LearnerLoop(Loop[polling.PollState]):
         K = self._algorithm.fragments
         self._residual: list[Tensors | None] = [None] * K
         self._params: dict[int, tuple[Commit, Tensors]] = {}
-        self._sent: dict[int, tuple[Job, Snapshot, Tensors, int]] = {}
+        self._sent: dict[int, tuple[Job, Snapshot, Tensors, int, str]] = {}
         self._handlers: dict[type, Callable[[Any], Awaitable[Result | None]]] = {
             Upload: self._upload,
             Watch: self._watch,
@@ -157,16 +157,16 @@ class LearnerLoop(Loop[polling.PollState]):
         created = await self._exchange.publish(
             snapshot, data, self._compression, remembered, bound=snapshot_bound(schema)
         )
-        self._sent[publish.round] = (job, snapshot, delta, data_size(data))
+        self._sent[publish.round] = (job, snapshot, delta, data_size(data), created.key)
         del payload, data, remembered
         release_memory()  # the capture's encoded bytes are spent
         return Uploaded(round=publish.round, created=created)
 
     async def _watch(self, watch: Watch) -> None:
-        job, snapshot, delta, size = self._sent.pop(watch.round)
+        job, snapshot, delta, size, key = self._sent.pop(watch.round)
         if watch.ours:
             if self._algorithm.quantization is None:  # the payload holds the delta's F32 bytes
-                own = OwnSnapshot(nonce=snapshot.nonce, digest=snapshot.digest, delta=delta)
+                own = OwnSnapshot(record=snapshot, key=key, delta=delta)
                 self._handover.put_own(watch.round, own)
             publish = job.publish
             self._on_event(
@@ -212,6 +212,8 @@ class LearnerLoop(Loop[polling.PollState]):
         commit, tensors = self._params.pop(deliver.commit.fragment)
         assert commit == deliver.commit
         base = spill.spill(self._backend, tensors, self._spill_dir) if self._spills else None
+        if base is not None:
+            self._handover.put_base(commit, base)
         ready = Ready(commit=commit, tensors=tensors, counted=deliver.counted, base=base)
         self._handoff.deliver(ready)
 

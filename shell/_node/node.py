@@ -233,6 +233,7 @@ class Node:
             nonces=self._nonces,
             on_event=self.on_event,
             learner_spills=self._spills,
+            spill_dir=self._spill_dir,
         )
 
     # -- the loops ----------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gradientmail._node.exchange import Exchange
+from gradientmail._node.spill import Base
 from gradientmail.adapters.base import Backend, Tensors
 from gradientmail.core.errors import FormatError
 from gradientmail.core.payloads import all_f32, outer_state_schema, payload_limit
@@ -96,13 +97,14 @@ async def read_outer_state(
     backend: Backend,
     commit: Commit,
     schema: Schema,
-    master: Tensors | None = None,
-) -> tuple[Tensors, Tensors] | None:
+    master: Base | None = None,
+) -> tuple[Base, Tensors] | None:
     """The F32 master parameters and momentum that ``commit`` left for the fragment of
     ``schema``; None when a payload is gone (collected). A state that also holds the master of
     F32 parameters (as written before it was stored once) is read as well. ``master``, when the
     caller holds the commit's F32 parameters already, spares reading them. ``FormatError``
-    names the payload that is corrupt or holds other tensors."""
+    names the payload that is corrupt or holds other tensors (``master`` may be a file:
+    ``spill.SpilledBase``)."""
     state = await exchange.read_payload(commit.state, limit=payload_limit(schema))
     if state is None:
         return None
@@ -131,8 +133,8 @@ async def read_base(
     manifest: Manifest,
     fragment: int,
     before: Commit | None,
-    master: Tensors | None = None,
-) -> tuple[Tensors, Tensors | None] | None:
+    master: Base | None = None,
+) -> tuple[Base, Tensors | None] | None:
     """The F32 master parameters and momentum an outer step of ``fragment`` starts from: those
     ``before``, the fragment's previous commit, left (``read_outer_state``), or for the
     fragment's first round (``before`` None) its initial parameters cast to F32 and no momentum.

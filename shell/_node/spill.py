@@ -9,9 +9,11 @@ holds them while memory is free and drops them when it is not, and a read costs 
 bytes for as long as one delta or merge needs them.
 
 Written on the learner loop's thread, before the commit is delivered (the training thread
-only swaps which base it points to), and read on the learner loop's thread (a delta) or the
-training thread (a rebase, which merges since the base). A file is never written after it is
-made, so the two threads read it without a lock; it is closed when no one holds it.
+only swaps which base it points to), and read on the learner loop's thread (a delta), the
+training thread (a rebase, which merges since the base) or the syncer (the master of the
+fragment's next outer step, ``outer_step``). The syncer writes files of its own for an outer
+state it keeps (the momentum). A file is never written after it is made, so threads read it
+without a lock; it is closed when no one holds it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from gradientmail.adapters.base import Backend, Tensors
 from gradientmail.core.errors import SchemaMismatch
 from gradientmail.core.tensors import PayloadDType, TensorBytes
 
-__all__ = ["Base", "SpilledBase", "delta", "spill", "spills"]
+__all__ = ["Base", "SpilledBase", "delta", "outer_step", "spill", "spills"]
 
 
 @attrs.frozen
@@ -118,7 +120,7 @@ def _where(exc: OSError, directory: str | None) -> OSError:
     return OSError(
         exc.errno,
         f"keeping a fragment's base in a file in {where!r} failed ({exc.strerror or exc}); "
-        "give it the model's F32 bytes of room, or set Session(spill_dir=...) elsewhere, or "
+        "give it twice the model's F32 bytes of room, or set Session(spill_dir=...) elsewhere, or "
         "Session(spill_base=False) to keep it in memory",
     )
 
@@ -136,3 +138,32 @@ def delta(backend: Backend, base: Base, captured: Tensors, residual: Tensors | N
         one = None if residual is None else {name: residual[name]}
         out.update(backend.delta({name: base[name]}, {name: captured[name]}, one))
     return out
+
+
+def outer_step(
+    backend: Backend,
+    master: Base,
+    momentum: Base | None,
+    gradient: Tensors,
+    **options: Any,
+) -> tuple[Tensors, Tensors]:
+    """``backend.outer_step`` (``options``: its keywords) with a master or momentum that may
+    be kept in a file: then one tensor at a time, so that a single tensor of each file is in
+    memory at once besides the gradient and the new momentum."""
+    if not isinstance(master, SpilledBase) and not isinstance(momentum, SpilledBase):
+        return backend.outer_step(master, momentum, gradient, **options)
+    groups = [set(master), set(gradient)] + ([] if momentum is None else [set(momentum)])
+    differing = set().union(*(groups[0] ^ g for g in groups))
+    if differing:
+        names = sorted(differing)
+        raise SchemaMismatch(names, "outer_step: the tensors name different parameters")
+    new_master: dict[str, Any] = {}
+    new_momentum: dict[str, Any] = {}
+    for name in sorted(gradient):
+        one = None if momentum is None else {name: momentum[name]}
+        stepped, moved = backend.outer_step(
+            {name: master[name]}, one, {name: gradient[name]}, **options
+        )
+        new_master.update(stepped)
+        new_momentum.update(moved)
+    return new_master, new_momentum

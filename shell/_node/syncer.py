@@ -27,17 +27,19 @@ from gradientmail._events import (
     LeaseExpired,
     TookOver,
 )
+from gradientmail._node import spill
 from gradientmail._node.drive import Inbox, Loop
 from gradientmail._node.exchange import Exchange
 from gradientmail._node.handoff import Handover
 from gradientmail._node.learner import UNTRUSTED, read_commit
 from gradientmail._node.payloads import add_to_sum, outer_state, read_base, scaled
 from gradientmail._node.release import release_memory
+from gradientmail._node.spill import Base, SpilledBase
 from gradientmail.adapters.base import Backend, Tensors
 from gradientmail.core import effects as fx
 from gradientmail.core import keys, syncer
 from gradientmail.core.codecs import Compression
-from gradientmail.core.payloads import payload_limit
+from gradientmail.core.payloads import all_f32, payload_limit
 from gradientmail.core.records import Commit
 from gradientmail.core.robust import snapshot_bound
 from gradientmail.core.tensors import TensorBytes
@@ -52,9 +54,11 @@ class _Workspace:
 
     waiting: tuple[str, Mapping[str, TensorBytes] | None, Tensors | None] | None = None
     sum: Tensors | None = None
-    master: Tensors | None = None
-    momentum: Tensors | None = None
+    master: Base | None = None
+    momentum: Base | None = None
     params: Tensors | None = None
+    stepped: tuple[Tensors, Tensors] | None = None
+    """The master and momentum the outer step left (tensors in memory)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -65,20 +69,24 @@ class _Kept:
     With F32 parameters the master is the very tensors handed to the learner, its base until
     it merges a newer commit of the fragment: kept by weak reference, it costs nothing and is
     gone once the learner lets go. Otherwise the master is held (``master``). The momentum is
-    held while the budget allows (``size``: the bytes this entry holds)."""
+    held while the budget allows (``size``: the bytes this entry holds). When the learner keeps
+    its base in a file (``spill``) and the state does not fit, the momentum goes to a file of
+    its own, and so does the master unless the parameters are F32 (then it is the learner's
+    file of them, ``Handover.base``): ``size`` 0."""
 
     round: int
     nonce: str
-    master: Tensors | None
+    master: Base | None
     shared: dict[str, weakref.ref[Any]] | None
-    momentum: Tensors | None
+    momentum: Base | None
     size: int
 
-    def base(self) -> Tensors | None:
-        """The master, or None when the learner has let go of it."""
+    def base(self) -> Base | None:
+        """The master, or None when the learner has let go of it (or holds it in a file)."""
         if self.master is not None:
             return self.master
-        assert self.shared is not None
+        if self.shared is None:
+            return None
         found = {name: ref() for name, ref in self.shared.items()}
         return None if any(t is None for t in found.values()) else found
 
@@ -101,6 +109,7 @@ class SyncerLoop(Loop[syncer.SyncerState]):
         nonces: Callable[[], str],
         on_event: Callback,
         learner_spills: bool = False,
+        spill_dir: str | None = None,
     ) -> None:
         self.settings = settings
         self.state = state
@@ -108,6 +117,7 @@ class SyncerLoop(Loop[syncer.SyncerState]):
         # Whether the learner keeps its base in a file: then a master handed to it is not
         # held there, and is kept here as its own tensors when it fits (``_keep_state``).
         self._learner_spills = learner_spills
+        self._spill_dir = spill_dir
         self._exchange = exchange
         self._backend = backend
         self._compression = compression
@@ -201,18 +211,15 @@ class SyncerLoop(Loop[syncer.SyncerState]):
         work.waiting = None
         schema = self._manifest.fragment_schema(r % self._manifest.algorithm.fragments)
         own = self._handover.own(r) if node == self._node else None
+        if own is not None and own.key == keys.snapshot(r, node, slot):
+            # The key this node's learner created its snapshot at: the object there is that
+            # record (create-only), and its delta is in hand. Not read back (docs/decisions.md,
+            # "A closer does not read back its own snapshot").
+            work.waiting = (node, None, own.delta)
+            return fx.SnapshotRead(round=r, node=node, slot=slot, record=own.record)
         limit, bound = payload_limit(schema), snapshot_bound(schema)
         try:
-            # This node's own snapshot is verified but not parsed while its learner's delta
-            # is in hand: it is used when the record is the one published.
-            found = await self._exchange.snapshot(
-                r, node, slot=slot, limit=limit, bound=bound, parse=own is None
-            )
-            if found is not None and own is not None:
-                if (found[0].nonce, found[0].digest) == (own.nonce, own.digest):
-                    work.waiting = (node, None, own.delta)
-                    return fx.SnapshotRead(round=r, node=node, slot=slot, record=found[0])
-                found = await self._exchange.snapshot(r, node, slot=slot, limit=limit, bound=bound)
+            found = await self._exchange.snapshot(r, node, slot=slot, limit=limit, bound=bound)
         except UNTRUSTED as exc:
             return fx.SnapshotRead(round=r, node=node, slot=slot, record=None, rejected=str(exc))
         if found is None:
@@ -254,9 +261,12 @@ class SyncerLoop(Loop[syncer.SyncerState]):
             and (kept.nonce, kept.round) == (base.nonce, base.round)
         )
         found = kept.base() if kept is not None and ours else None  # our own commit's
-        master: Tensors
-        momentum: Tensors | None
-        if found is not None and kept is not None and kept.momentum is not None:
+        if found is None and base is not None and all_f32(self._manifest.fragment_schema(k)):
+            # F32 parameters are the master: the learner's file of them, when it holds it.
+            found = self._handover.base(k, base)
+        master: Base
+        momentum: Base | None
+        if found is not None and kept is not None and ours and kept.momentum is not None:
             master, momentum = found, kept.momentum
         else:  # from the store: the momentum only, when the master is in hand
             try:
@@ -286,7 +296,8 @@ class SyncerLoop(Loop[syncer.SyncerState]):
         kept = self._kept.get(k)
         if kept is not None and kept.momentum is work.momentum:
             del self._kept[k]
-        master, momentum = self._backend.outer_step(
+        master, momentum = spill.outer_step(
+            self._backend,
             work.master,
             work.momentum,
             gradient,
@@ -296,7 +307,8 @@ class SyncerLoop(Loop[syncer.SyncerState]):
             reuse=True,
         )
         del gradient
-        work.master, work.momentum = master, momentum
+        work.master = work.momentum = None
+        work.stepped = master, momentum
         work.params = self._backend.cast(master, schema)
         nonce = self._nonces()
         try:
@@ -330,10 +342,7 @@ class SyncerLoop(Loop[syncer.SyncerState]):
     async def _committed(self, committed: fx.Committed) -> None:
         commit = committed.commit
         work = self._work_of(commit.round)
-        # The step's outer state (its momentum is never None after a step).
-        assert work.master is not None and work.momentum is not None and work.params is not None
-        self._keep_state(commit, work.master, work.momentum, work.params)
-        release_memory()  # the step's temporaries are spent
+        assert work.stepped is not None and work.params is not None
         self._learner.put(committed)
         self._on_event(
             Committed(
@@ -346,6 +355,9 @@ class SyncerLoop(Loop[syncer.SyncerState]):
                 seconds=committed.seconds,
             )
         )
+        # Kept after the learner has the commit: keeping may write the state to a file.
+        self._keep_state(commit, *work.stepped, work.params)
+        release_memory()  # the step's temporaries are spent
 
     def _keep_state(
         self, commit: Commit, master: Tensors, momentum: Tensors, params: Tensors
@@ -354,15 +366,17 @@ class SyncerLoop(Loop[syncer.SyncerState]):
         step: reading it back would be the store's bytes of exactly these tensors. The master
         is kept by weak reference when it is the parameters handed to the learner (F32
         parameters) and the learner holds them as its base (it does not spill); what is held
-        stays within the exchange's budget, oldest out first."""
+        stays within the exchange's budget, oldest out first. When the learner keeps its base
+        in a file, a state that does not fit goes to files (``_Kept``)."""
         k = commit.fragment
         self._kept.pop(k, None)
         shared = not self._learner_spills and all(params[n] is t for n, t in master.items())
-        nbytes = self._manifest.fragment_schema(k).f32.nbytes()
+        schema = self._manifest.fragment_schema(k)
+        nbytes = schema.f32.nbytes()
         size = nbytes if shared else 2 * nbytes
         limit = self._exchange.written_limit
-        for j in list(self._kept):  # make room, oldest first; a shared master stays
-            if self._held() + size <= limit:
+        for j in list(self._kept) if size <= limit else []:  # make room, oldest first; a
+            if self._held() + size <= limit:  # shared master stays
                 break
             old = self._kept[j]
             if old.shared is not None:
@@ -389,6 +403,18 @@ class SyncerLoop(Loop[syncer.SyncerState]):
                 momentum=momentum,
                 size=size,
             )
+        elif self._learner_spills:
+            self._kept[k] = _Kept(
+                round=commit.round,
+                nonce=commit.nonce,
+                master=None if all_f32(schema) else self._spill(master),
+                shared=None,
+                momentum=self._spill(momentum),
+                size=0,
+            )
+
+    def _spill(self, tensors: Tensors) -> SpilledBase:
+        return spill.spill(self._backend, tensors, self._spill_dir)
 
     def _held(self) -> int:
         """Bytes the kept outer states hold."""

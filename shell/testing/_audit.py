@@ -24,6 +24,7 @@ from collections import defaultdict
 import attrs
 
 from gradientmail._clock import MonotonicClock
+from gradientmail._node import spill
 from gradientmail._node.exchange import Exchange
 from gradientmail._node.joining import read_manifest
 from gradientmail._node.payloads import outer_gradient, read_base, read_fragment
@@ -367,7 +368,8 @@ async def _recompute(
         norms = {i.node: backend.norm(d) for i, d in zip(commit.included, deltas, strict=True)}
     weights, scale = closing.outer_sum(manifest.algorithm, commit.included, norms)
     gradient = outer_gradient(backend, deltas, weights, scale)
-    master, _ = backend.outer_step(
+    master, _ = spill.outer_step(
+        backend,
         master,
         momentum,
         gradient,

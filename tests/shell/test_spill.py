@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ torch = pytest.importorskip("torch")
 
 from virtual_run import drift, lone_session, make_model  # noqa: E402
 
+from gradientmail import DiLoCo  # noqa: E402
 from gradientmail._node import spill  # noqa: E402
 from gradientmail.adapters.torch import TorchBackend  # noqa: E402
 from gradientmail.core.errors import SchemaMismatch  # noqa: E402
@@ -88,3 +90,67 @@ def test_a_session_that_spills_trains_to_the_same_parameters(tmp_path: Path) -> 
         assert session.rounds_seen >= 10
         finals[spilled] = [p.detach().numpy().copy() for p in model.parameters()]
     assert all(np.array_equal(a, b) for a, b in zip(finals[False], finals[True], strict=True))
+
+
+def keep_committed(into: list[object], event: object) -> None:
+    from gradientmail import Committed
+
+    if isinstance(event, Committed):
+        into.append(event)
+
+
+def test_a_closer_keeps_its_state_in_files_and_reads_nothing_back(tmp_path: Path) -> None:
+    """Over the exchange's budget (``written_cache`` 0 here; at 124M parameters a fragment's
+    state is over the default 64 MiB), a closer whose learner keeps its base in a file keeps
+    its momentum in a file of its own and takes the master from the learner's file of the
+    commit's parameters, and no closer reads its own snapshot back: a lone node then reads
+    nothing from the store after each fragment's first round but records. All three ways end
+    on the same parameters, bit for bit: state in memory, read back from the store, in files."""
+    from gradientmail import Session
+    from gradientmail._node.syncer import SyncerLoop
+    from gradientmail.mailboxes import DirectoryMailbox
+
+    finals, read, commits = {}, {}, {}
+    for case in ("memory", "store", "files"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(128, 128), torch.nn.Tanh(), torch.nn.Linear(128, 128)
+        )
+        model_bytes = sum(4 * p.numel() for p in model.parameters())
+        mailbox = DirectoryMailbox(tmp_path / case, fsync=False)
+        committed: list[object] = []
+        session = Session(
+            model,
+            algorithm=DiLoCo(inner_steps=4, fragments=2, overlap_steps=0),
+            mailbox=mailbox,
+            poll_interval=0.05,
+            lease_every=1.0,
+            lease_timeout=3.0,
+            callbacks=(partial(keep_committed, committed),),
+            spill_base=case == "files",
+            spill_dir=tmp_path,
+        )
+        if case != "memory":
+            session._node.exchange._written_limit = 0  # before the first commit
+        with session:
+            drift(model, session, 24)
+        syncer = session._node.syncer
+        assert isinstance(syncer, SyncerLoop)
+        kept = list(syncer._kept.values())
+        if case == "files":
+            assert kept and all(isinstance(k.momentum, spill.SpilledBase) for k in kept)
+            assert all(k.master is None and k.size == 0 for k in kept), "the learner's file"
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["files", "memory", "store"]
+        finals[case] = [p.detach().numpy().copy() for p in model.parameters()]
+        read[case] = mailbox.stats["bytes_in"]
+        commits[case] = len(committed)
+    assert all(n >= 10 for n in commits.values()), commits
+    for case in ("store", "files"):
+        pairs = zip(finals["memory"], finals[case], strict=True)
+        assert all(np.array_equal(a, b) for a, b in pairs), case
+    # The join reads the initial parameters back, and each fragment's first outer step reads
+    # them as its master (two models' bytes); beyond them, only records.
+    assert read["memory"] < 2.5 * model_bytes and read["files"] < 2.5 * model_bytes, read
+    # Reading the state back costs each later round its fragment's momentum (half the model).
+    later = commits["store"] - 2
+    assert read["store"] - read["files"] >= 0.9 * later * model_bytes / 2, (read, commits)
