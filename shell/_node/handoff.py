@@ -121,7 +121,7 @@ class Handover:
         self._lock = threading.Lock()
         self._own: dict[int, OwnSnapshot] = {}
         self._params: dict[int, tuple[str, Tensors]] = {}
-        self._bases: dict[int, tuple[int, str, SpilledBase]] = {}
+        self._bases: dict[int, tuple[Commit | None, SpilledBase]] = {}
 
     def put_own(self, r: int, own: OwnSnapshot) -> None:
         with self._lock:
@@ -149,21 +149,23 @@ class Handover:
             if held is not None and held[0] == nonce:
                 del self._params[r]
 
-    def put_base(self, commit: Commit, base: SpilledBase) -> None:
-        """``commit``'s parameters in a file (``spill``), replacing an older commit's of its
-        fragment (whose file closes once no one else holds it)."""
-        with self._lock:
-            held = self._bases.get(commit.fragment)
-            if held is None or held[0] <= commit.round:
-                self._bases[commit.fragment] = (commit.round, commit.nonce, base)
-
-    def base(self, fragment: int, commit: Commit) -> SpilledBase | None:
-        """The file of ``commit``'s parameters (same fragment, round and nonce), if held."""
+    def put_base(self, fragment: int, commit: Commit | None, base: SpilledBase) -> None:
+        """``commit``'s parameters of ``fragment`` in a file (``spill``; None: the run's initial
+        parameters), replacing an older commit's (whose file closes once no one else holds
+        it)."""
         with self._lock:
             held = self._bases.get(fragment)
-        if held is None or (held[0], held[1]) != (commit.round, commit.nonce):
+            if held is None or _round(held[0]) <= _round(commit):
+                self._bases[fragment] = (commit, base)
+
+    def base(self, fragment: int, commit: Commit | None) -> SpilledBase | None:
+        """The file of ``commit``'s parameters of ``fragment`` (same round and nonce; None: the
+        initial parameters), if held."""
+        with self._lock:
+            held = self._bases.get(fragment)
+        if held is None or _identity(held[0]) != _identity(commit):
             return None
-        return held[2]
+        return held[1]
 
     def take_params(self, commit: Commit) -> Tensors | None:
         """The parameters handed over with ``commit`` (same round and nonce), once."""
@@ -173,3 +175,11 @@ class Handover:
                 return None
             del self._params[commit.round]
             return held[1]
+
+
+def _round(commit: Commit | None) -> int:
+    return -1 if commit is None else commit.round
+
+
+def _identity(commit: Commit | None) -> tuple[int, str] | None:
+    return None if commit is None else (commit.round, commit.nonce)

@@ -213,7 +213,7 @@ class LearnerLoop(Loop[polling.PollState]):
         assert commit == deliver.commit
         base = spill.spill(self._backend, tensors, self._spill_dir) if self._spills else None
         if base is not None:
-            self._handover.put_base(commit, base)
+            self._handover.put_base(commit.fragment, commit, base)
         ready = Ready(commit=commit, tensors=tensors, counted=deliver.counted, base=base)
         self._handoff.deliver(ready)
 

@@ -177,6 +177,9 @@ class Node:
         trained, polled, synced = join.started(state, process=self.process)
         learner_inbox, syncer_inbox = Inbox(self.clock.bell()), Inbox(self.clock.bell())
         handover = Handover()
+        for k, kept in enumerate(base):  # the closer's master of each fragment's next round
+            if isinstance(kept, spill.SpilledBase):
+                handover.put_base(k, state.newest[k], kept)
         self.trainer = Trainer(
             adapter=self.adapter,
             backend=self.backend,

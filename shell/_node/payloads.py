@@ -138,11 +138,13 @@ async def read_base(
     """The F32 master parameters and momentum an outer step of ``fragment`` starts from: those
     ``before``, the fragment's previous commit, left (``read_outer_state``), or for the
     fragment's first round (``before`` None) its initial parameters cast to F32 and no momentum.
-    None when a payload is gone (collected). ``master``: ``before``'s F32 parameters, when the
-    caller holds them (``read_outer_state``)."""
+    None when a payload is gone (collected). ``master``: ``before``'s F32 parameters (the
+    initial ones when ``before`` is None), when the caller holds them."""
     schema = manifest.fragment_schema(fragment)
     if before is not None:
         return await read_outer_state(exchange, backend, before, schema, master=master)
+    if master is not None:
+        return master, None
     init = await read_fragment(exchange, manifest.init[fragment], schema)
     if init is None:
         return None

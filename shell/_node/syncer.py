@@ -261,8 +261,9 @@ class SyncerLoop(Loop[syncer.SyncerState]):
             and (kept.nonce, kept.round) == (base.nonce, base.round)
         )
         found = kept.base() if kept is not None and ours else None  # our own commit's
-        if found is None and base is not None and all_f32(self._manifest.fragment_schema(k)):
-            # F32 parameters are the master: the learner's file of them, when it holds it.
+        if found is None and all_f32(self._manifest.fragment_schema(k)):
+            # F32 parameters are the master: the learner's file of them (of the initial ones
+            # for a fragment's first round), when it holds it.
             found = self._handover.base(k, base)
         master: Base
         momentum: Base | None
