@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import attrs
 
@@ -125,6 +125,10 @@ def observe(
         changed_at = old.changed_at if old is not None and old.version == version else now
         seen[node] = Observed(version=version, left=left, nonce=nonce, changed_at=changed_at)
     return Leases(seen=tuple(sorted(seen.items())), polled_at=now)
+
+
+Observe = Callable[..., Leases]
+"""``observe``'s signature: ``(leases, listing, *, now) -> Leases``."""
 
 
 def gathered(
@@ -291,10 +295,12 @@ def listed(
     lease_timeout: float,
     keyring: Keyring | None = None,
     ahead: int = RENEWALS_AHEAD,
+    fold: Observe | None = None,
 ) -> tuple[Keeper, list[Effect]]:
     """A LIST of ``leases/``: an unchanged entry, or one whose MD5 is one of the next ``ahead``
     renewals (``renewal``), folds at once; any other change is read first, unless that
-    version was refused already."""
+    version was refused already. ``fold`` folds the listing into the view (``observe``, the
+    rules' own: ``core.rules``)."""
     known, rejected = dict(keeper.known), dict(keeper.rejected)
     listing: dict[str, tuple[str, bool, str]] = {}
     updated = dict(known)
@@ -321,11 +327,16 @@ def listed(
     )
     if waiting:
         return keeper, [ReadLease(node=node) for node, _ in waiting]
-    return _fold(keeper, now=now, lease_timeout=lease_timeout)
+    return _fold(keeper, now=now, lease_timeout=lease_timeout, fold=fold)
 
 
 def read(
-    keeper: Keeper, result: LeaseRead, *, now: float, lease_timeout: float
+    keeper: Keeper,
+    result: LeaseRead,
+    *,
+    now: float,
+    lease_timeout: float,
+    fold: Observe | None = None,
 ) -> tuple[Keeper, list[Effect]]:
     """One lease read after a LIST; the view is folded once every read is back. A lease that
     does not verify, or that says no change (``judge``: a replay), is reported and its version
@@ -382,13 +393,16 @@ def read(
     keeper = attrs.evolve(keeper, waiting=tuple(waiting.items()))
     if waiting:
         return keeper, effects
-    keeper, folded = _fold(keeper, now=now, lease_timeout=lease_timeout)
+    keeper, folded = _fold(keeper, now=now, lease_timeout=lease_timeout, fold=fold)
     return keeper, effects + folded
 
 
-def _fold(keeper: Keeper, *, now: float, lease_timeout: float) -> tuple[Keeper, list[Effect]]:
-    """Fold the LIST just read into the view (``observe``) and report new expiries."""
-    view = observe(keeper.view, dict(keeper.listing or ()), now=now)
+def _fold(
+    keeper: Keeper, *, now: float, lease_timeout: float, fold: Observe | None
+) -> tuple[Keeper, list[Effect]]:
+    """Fold the LIST just read into the view (``fold``, ``observe`` by default) and report new
+    expiries."""
+    view = (fold or observe)(keeper.view, dict(keeper.listing or ()), now=now)
     live = view.live(now=now, lease_timeout=lease_timeout)
     known = {node for node, _ in keeper.known}
     reports: list[Effect] = [Expired(node=node) for node in sorted(known - live - keeper.expired)]

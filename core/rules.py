@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from gradientmail.core import chain, closing, gc, identity, learner
+from gradientmail.core import chain, closing, gc, identity, learner, leases
 from gradientmail.core.effects import CreateCommit, Effect
 from gradientmail.core.records import Commit
 
@@ -48,6 +48,7 @@ class Rules:
     collectable: Callable[..., int | None] = gc.collectable
     walk: Callable[..., Any] = chain.advance
     commit: Callable[[Commit], list[Effect]] = create_commit
+    observe: Callable[..., leases.Leases] = leases.observe
 
 
 RULES = Rules()

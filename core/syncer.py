@@ -195,11 +195,16 @@ def _take(
             lease_timeout=settings.lease_timeout,
             keyring=settings.keyring,
             ahead=settings.renewals_ahead,
+            fold=settings.rules.observe,
         )
         return attrs.evolve(state, keeper=keeper), effects
     if isinstance(item, LeaseRead):
         keeper, effects = leases.read(
-            state.keeper, item, now=now, lease_timeout=settings.lease_timeout
+            state.keeper,
+            item,
+            now=now,
+            lease_timeout=settings.lease_timeout,
+            fold=settings.rules.observe,
         )
         return attrs.evolve(state, keeper=keeper), effects
     if isinstance(item, RoundListed):

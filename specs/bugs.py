@@ -25,15 +25,22 @@ caught by all three, on the property it breaks (``BROKEN``).
   rule keeps).
 - ``chain-skips``: the chain walk reads every other round going forward, so a node joining a
   run loads a commit older than the newest.
+- ``stale-lease``: an observer folding a LIST ignores a newer lease of a node it has seen
+  (``observe`` keeps the first record's time), so every renewed lease looks expired once
+  ``lease_timeout`` has passed since it was first seen. A node's own included: a lone node's
+  snapshot stops counting as a live reporter's and its round never closes (liveness); the
+  simulator reports the expiry itself (lease-expired-early: called expired after a LIST showed
+  it renewed).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
-from gradientmail.core import chain, closing, keys, learner
+from gradientmail.core import chain, closing, keys, learner, leases
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.effects import (
     CommitRead,
@@ -106,6 +113,17 @@ def _chain_skips(
     ]
 
 
+def _stale_lease(
+    view: leases.Leases, listing: Mapping[str, tuple[str, bool, str]], *, now: float
+) -> leases.Leases:
+    seen = view.by_node
+    for node, (version, left, nonce) in listing.items():
+        old = seen.get(node)
+        changed_at = now if old is None else old.changed_at  # a newer record is no change
+        seen[node] = leases.Observed(version=version, left=left, nonce=nonce, changed_at=changed_at)
+    return leases.Leases(seen=tuple(sorted(seen.items())), polled_at=now)
+
+
 BUGS: dict[str, Rules] = {
     "commit-overwrite": attrs.evolve(RULES, name="commit-overwrite", commit=_overwrite),
     "rebase-included": attrs.evolve(RULES, name="rebase-included", on_commit=_rebase_included),
@@ -117,6 +135,7 @@ BUGS: dict[str, Rules] = {
     "skip-forgets": attrs.evolve(RULES, name="skip-forgets", counted=_skip_forgets),
     "gc-too-early": attrs.evolve(RULES, name="gc-too-early", collectable=_gc_too_early),
     "chain-skips": attrs.evolve(RULES, name="chain-skips", walk=_chain_skips),
+    "stale-lease": attrs.evolve(RULES, name="stale-lease", observe=_stale_lease),
 }
 
 BROKEN: dict[str, str] = {
@@ -128,6 +147,7 @@ BROKEN: dict[str, str] = {
     "skip-forgets": "merges-forward",
     "gc-too-early": "included-exist",
     "chain-skips": "join-newest",
+    "stale-lease": "eventually-committed",
 }
 """The property each planted bug breaks (the explorer's and the machines' invariant names)."""
 

@@ -61,6 +61,8 @@ PLANTED: list[tuple[str, str, dict[str, Any]]] = [
     ("gc-too-early", "audit", {"keep_rounds": 2}),
     # A chain walk that skips a commit: a restarted node joins holding an older commit.
     ("chain-skips", "join-newest", {"crash_rate": 20.0, "restart": 1.0, "downtime": 2.0}),
+    # Newer leases ignored: a node calls a lease expired that its LIST showed renewed.
+    ("stale-lease", "lease-expired-early", {}),
 ]
 
 
