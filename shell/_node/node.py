@@ -17,6 +17,7 @@ from gradientmail._node.exchange import DEFAULT_OUTAGE, Exchange, new_nonce
 from gradientmail._node.handoff import Handoff, Handover
 from gradientmail._node.joining import Joiner
 from gradientmail._node.learner import LearnerLoop
+from gradientmail._node.release import release_memory
 from gradientmail._node.syncer import SyncerLoop
 from gradientmail._node.training import Trainer
 from gradientmail.adapters import Adapter, Backend, backend_for, default_backend
@@ -152,11 +153,13 @@ class Node:
         state = await joiner.run(settings, self.clock)
         manifest = state.manifest
         assert manifest is not None
-        loaded = [joiner.loaded[k] for k in range(self.algorithm.fragments)]
+        loaded = [joiner.loaded.pop(k) for k in range(self.algorithm.fragments)]
         for found in loaded:
             self.adapter.write(found)
         base = [self._base_of(self.backend.load(found)) for found in loaded]
+        del loaded
         self._build(state, base)
+        release_memory()  # the join's payloads, read back and loaded, are spent
         self.on_event(
             Joined(
                 node=self.node,

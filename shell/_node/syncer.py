@@ -358,6 +358,7 @@ class SyncerLoop(Loop[syncer.SyncerState]):
         )
         # Kept after the learner has the commit: keeping may write the state to a file.
         self._keep_state(commit, *work.stepped, work.params)
+        work.stepped = None  # kept (or not) by now
         release_memory()  # the step's temporaries are spent
 
     def _keep_state(

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from gradientmail._events import Callback, Merged, Rebased
 from gradientmail._node.drive import Inbox
 from gradientmail._node.handoff import Handoff, Job, Ready
+from gradientmail._node.release import release_memory
 from gradientmail._node.spill import Base, SpilledBase
 from gradientmail.adapters.base import Adapter, Backend, Tensors
 from gradientmail.core import learner
@@ -83,7 +84,8 @@ class Trainer:
 
     def _apply_ready(self) -> None:
         self._handoff.raise_failure()
-        for ready in self._handoff.take_ready():
+        readies = self._handoff.take_ready()
+        for ready in readies:
             r = ready.commit.round
             included = learner.counted(
                 self.state, self.algorithm, round=r, me=self.node, counted=ready.counted
@@ -92,6 +94,11 @@ class Trainer:
                 self.state, self.algorithm, round=r, included=included
             )
             self._execute(effects, ready)
+        if readies:
+            del ready, readies
+            # The commits' tensors, merged, are spent: their pages go back to the system now,
+            # not at the next round's trim (they were allocated on the loops' threads).
+            release_memory()
 
     def _execute(self, effects: Sequence[learner.Effect], ready: Ready | None) -> None:
         for effect in effects:
