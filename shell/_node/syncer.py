@@ -344,6 +344,9 @@ class SyncerLoop(Loop[syncer.SyncerState]):
         commit = committed.commit
         work = self._work_of(commit.round)
         assert work.stepped is not None and work.params is not None
+        self._keep_state(commit, *work.stepped, work.params)
+        work.stepped = None  # kept (or not) by now
+        release_memory()  # the step's temporaries are spent
         self._learner.put(committed)
         self._on_event(
             Committed(
@@ -356,10 +359,6 @@ class SyncerLoop(Loop[syncer.SyncerState]):
                 seconds=committed.seconds,
             )
         )
-        # Kept after the learner has the commit: keeping may write the state to a file.
-        self._keep_state(commit, *work.stepped, work.params)
-        work.stepped = None  # kept (or not) by now
-        release_memory()  # the step's temporaries are spent
 
     def _keep_state(
         self, commit: Commit, master: Tensors, momentum: Tensors, params: Tensors

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from gradientmail._events import Callback, Merged, Rebased
 from gradientmail._node.drive import Inbox
 from gradientmail._node.handoff import Handoff, Job, Ready
-from gradientmail._node.release import release_memory
+from gradientmail._node.release import WORTH_TRIMMING, release_memory
 from gradientmail._node.spill import Base, SpilledBase
 from gradientmail.adapters.base import Adapter, Backend, Tensors
 from gradientmail.core import learner
@@ -85,6 +85,7 @@ class Trainer:
     def _apply_ready(self) -> None:
         self._handoff.raise_failure()
         readies = self._handoff.take_ready()
+        freed = sum(getattr(t, "nbytes", 0) for ready in readies for t in ready.tensors.values())
         for ready in readies:
             r = ready.commit.round
             included = learner.counted(
@@ -94,7 +95,7 @@ class Trainer:
                 self.state, self.algorithm, round=r, included=included
             )
             self._execute(effects, ready)
-        if readies:
+        if freed >= WORTH_TRIMMING:
             del ready, readies
             # The commits' tensors, merged, are spent: their pages go back to the system now,
             # not at the next round's trim (they were allocated on the loops' threads).
