@@ -23,7 +23,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from typing import Protocol
 
 import attrs
 
@@ -127,8 +128,12 @@ def observe(
     return Leases(seen=tuple(sorted(seen.items())), polled_at=now)
 
 
-Observe = Callable[..., Leases]
-"""``observe``'s signature: ``(leases, listing, *, now) -> Leases``."""
+class Observe(Protocol):
+    """``observe``'s signature: a rule that folds a LIST into an observer's view."""
+
+    def __call__(
+        self, leases: Leases, listing: Mapping[str, tuple[str, bool, str]], *, now: float
+    ) -> Leases: ...
 
 
 def gathered(

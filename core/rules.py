@@ -48,7 +48,7 @@ class Rules:
     collectable: Callable[..., int | None] = gc.collectable
     walk: Callable[..., Any] = chain.advance
     commit: Callable[[Commit], list[Effect]] = create_commit
-    observe: Callable[..., leases.Leases] = leases.observe
+    observe: leases.Observe = leases.observe
 
 
 RULES = Rules()

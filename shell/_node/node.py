@@ -157,7 +157,7 @@ class Node:
         for found in loaded:
             self.adapter.write(found)
         base = [self._base_of(self.backend.load(found)) for found in loaded]
-        del loaded
+        del loaded, found
         self._build(state, base)
         release_memory()  # the join's payloads, read back and loaded, are spent
         self.on_event(

@@ -11,6 +11,7 @@ the store would give. Every ``if`` here is about I/O and those caches.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
@@ -295,7 +296,11 @@ class SyncerLoop(Loop[syncer.SyncerState]):
         # The step computes into the momentum and the gradient (fresh from the weighted sum),
         # so the kept copy of this fragment's state is spent: a lost commit reads it again.
         kept = self._kept.get(k)
-        if kept is not None and kept.momentum is work.momentum:
+        if (
+            kept is not None
+            and kept.momentum is work.momentum
+            and not isinstance(kept.momentum, SpilledBase)  # a file is only read
+        ):
             del self._kept[k]
         master, momentum = spill.outer_step(
             self._backend,
@@ -377,8 +382,10 @@ class SyncerLoop(Loop[syncer.SyncerState]):
         size = nbytes if shared else 2 * nbytes
         limit = self._exchange.written_limit
         for j in list(self._kept) if size <= limit else []:  # make room, oldest first; a
-            if self._held() + size <= limit:  # shared master stays
+            if self._held() + size <= limit:  # shared master stays, and so do files
                 break
+            if self._kept[j].size == 0:
+                continue
             old = self._kept[j]
             if old.shared is not None:
                 self._kept[j] = attrs.evolve(old, momentum=None, size=0)
@@ -405,14 +412,16 @@ class SyncerLoop(Loop[syncer.SyncerState]):
                 size=size,
             )
         elif self._learner_spills:
-            self._kept[k] = _Kept(
-                round=commit.round,
-                nonce=commit.nonce,
-                master=None if all_f32(schema) else self._spill(master),
-                shared=None,
-                momentum=self._spill(momentum),
-                size=0,
-            )
+            # No room for the files: nothing is kept, and the next close reads the state back.
+            with contextlib.suppress(OSError):
+                self._kept[k] = _Kept(
+                    round=commit.round,
+                    nonce=commit.nonce,
+                    master=None if all_f32(schema) else self._spill(master),
+                    shared=None,
+                    momentum=self._spill(momentum),
+                    size=0,
+                )
 
     def _spill(self, tensors: Tensors) -> SpilledBase:
         return spill.spill(self._backend, tensors, self._spill_dir)

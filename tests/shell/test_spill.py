@@ -8,6 +8,7 @@ import gc
 import os
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -156,3 +157,35 @@ def test_a_closer_keeps_its_state_in_files_and_reads_nothing_back(tmp_path: Path
     # Reading the state back costs each later round its fragment's momentum (half the model).
     later = commits["store"] - 2
     assert read["store"] - read["files"] >= 0.9 * later * model_bytes / 2, (read, commits)
+
+
+def _commit(r: int, nonce: str) -> Any:
+    from gradientmail.core import keys
+    from gradientmail.core.records import Commit, Included, PayloadRef
+
+    params = PayloadRef(key=keys.params(r, nonce), digest="0" * 64, size=1)
+    state = PayloadRef(key=keys.state(r, nonce), digest="0" * 64, size=1)
+    included = Included(node="n0", nonce=nonce, samples=8, steps=1, base_round=-1, digest="0" * 64)
+    fields = {"closer": "n0", "attempt": 0, "included": (included,), "params": params}
+    return Commit(round=r, fragment=r % 2, base_round=r - 2, nonce=nonce, state=state, **fields)
+
+
+def test_the_handover_gives_only_the_file_of_the_commit_asked_for(tmp_path: Path) -> None:
+    """A closer takes its master from the learner's file only when it holds the very commit
+    (round and nonce) the outer step starts from, or the initial parameters (None) for a
+    fragment's first round; a newer commit's file replaces an older one, never the reverse."""
+    from gradientmail._node.handoff import Handover
+
+    handover = Handover()
+    init, first, second = (spill.spill(BACKEND, tensors(), str(tmp_path)) for _ in range(3))
+    handover.put_base(0, None, init)
+    assert handover.base(0, None) is init
+    assert handover.base(1, None) is None, "another fragment"
+    c2, c4 = _commit(2, "a" * 16), _commit(4, "b" * 16)
+    assert handover.base(0, c2) is None, "the initial parameters are not commit 2's"
+    handover.put_base(0, c2, first)
+    assert handover.base(0, c2) is first and handover.base(0, None) is None
+    assert handover.base(0, _commit(2, "c" * 16)) is None, "another nonce: a lost race"
+    handover.put_base(0, c4, second)
+    handover.put_base(0, c2, first)  # a late registration of an older commit
+    assert handover.base(0, c4) is second and handover.base(0, c2) is None
