@@ -300,7 +300,7 @@ def listed(
     lease_timeout: float,
     keyring: Keyring | None = None,
     ahead: int = RENEWALS_AHEAD,
-    fold: Observe | None = None,
+    fold: Observe = observe,
 ) -> tuple[Keeper, list[Effect]]:
     """A LIST of ``leases/``: an unchanged entry, or one whose MD5 is one of the next ``ahead``
     renewals (``renewal``), folds at once; any other change is read first, unless that
@@ -341,7 +341,7 @@ def read(
     *,
     now: float,
     lease_timeout: float,
-    fold: Observe | None = None,
+    fold: Observe = observe,
 ) -> tuple[Keeper, list[Effect]]:
     """One lease read after a LIST; the view is folded once every read is back. A lease that
     does not verify, or that says no change (``judge``: a replay), is reported and its version
@@ -403,11 +403,10 @@ def read(
 
 
 def _fold(
-    keeper: Keeper, *, now: float, lease_timeout: float, fold: Observe | None
+    keeper: Keeper, *, now: float, lease_timeout: float, fold: Observe
 ) -> tuple[Keeper, list[Effect]]:
-    """Fold the LIST just read into the view (``fold``, ``observe`` by default) and report new
-    expiries."""
-    view = (fold or observe)(keeper.view, dict(keeper.listing or ()), now=now)
+    """Fold the LIST just read into the view (``fold``) and report new expiries."""
+    view = fold(keeper.view, dict(keeper.listing or ()), now=now)
     live = view.live(now=now, lease_timeout=lease_timeout)
     known = {node for node, _ in keeper.known}
     reports: list[Effect] = [Expired(node=node) for node in sorted(known - live - keeper.expired)]

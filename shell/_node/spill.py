@@ -152,11 +152,10 @@ def outer_step(
     memory at once besides the gradient and the new momentum."""
     if not isinstance(master, SpilledBase) and not isinstance(momentum, SpilledBase):
         return backend.outer_step(master, momentum, gradient, **options)
-    groups = [set(master), set(gradient)] + ([] if momentum is None else [set(momentum)])
-    differing = set().union(*(groups[0] ^ g for g in groups))
-    if differing:
-        names = sorted(differing)
-        raise SchemaMismatch(names, "outer_step: the tensors name different parameters")
+    for group in (master, momentum):
+        if group is not None and set(group) != set(gradient):
+            names = sorted(set(group) ^ set(gradient))
+            raise SchemaMismatch(names, "outer_step: the tensors name different parameters")
     new_master: dict[str, Any] = {}
     new_momentum: dict[str, Any] = {}
     for name in sorted(gradient):
