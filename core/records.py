@@ -412,6 +412,39 @@ def to_bytes(record: Record, signer: Keyring | None = None) -> bytes:
     return canonical(value)
 
 
+PARSED_BYTES = 4 * 2**20
+"""The record bytes ``read_record`` keeps parsed records for (a cache, ``_Parsed``)."""
+
+PARSED_LARGEST = 64 * 2**10
+"""Records longer than this many bytes are parsed every time, never kept."""
+
+
+class _Parsed:
+    """Records already parsed, by the exact arguments that parsed them: the same bytes of the
+    same kind at the same key under the same verifier parse to the same (immutable) record,
+    so a node polling an unchanged object, or many simulated nodes reading one commit, parse
+    it once. A failed parse is never kept. Once the records kept pass ``PARSED_BYTES`` bytes
+    all are dropped at once (one assignment: threads that parse at once see either set, never
+    a half-emptied one). Memoization only: what ``read_record`` returns or raises does not
+    depend on it."""
+
+    def __init__(self) -> None:
+        self._records: dict[tuple[bytes, type, str | None, Keyring | None], object] = {}
+        self._bytes = 0
+
+    def get(self, entry: tuple[bytes, type, str | None, Keyring | None]) -> object | None:
+        return self._records.get(entry)
+
+    def keep(self, entry: tuple[bytes, type, str | None, Keyring | None], record: object) -> None:
+        if self._bytes > PARSED_BYTES:
+            self._records, self._bytes = {}, 0
+        self._records[entry] = record
+        self._bytes += len(entry[0])
+
+
+_PARSED = _Parsed()
+
+
 def read_record(
     data: bytes, kind: type[R], *, key: str | None = None, verifier: Keyring | None = None
 ) -> R:
@@ -422,6 +455,19 @@ def read_record(
     ``verifier`` (a signed run) the record must carry a signature by one of its secrets, else
     ``FormatError`` says it is unsigned or badly signed; without one a signature is ignored.
     """
+    if len(data) > PARSED_LARGEST:
+        return _read_record(data, kind, key=key, verifier=verifier)
+    entry = (bytes(data), kind, key, verifier)
+    found = _PARSED.get(entry)
+    if found is None:
+        found = _read_record(data, kind, key=key, verifier=verifier)
+        _PARSED.keep(entry, found)
+    return found  # type: ignore[return-value]
+
+
+def _read_record(
+    data: bytes, kind: type[R], *, key: str | None = None, verifier: Keyring | None = None
+) -> R:
     try:
         value = json.loads(data)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, digits

@@ -583,3 +583,49 @@ def test_manifest_init_refs_are_the_init_keys_of_each_fragment() -> None:
 def test_records_refuse_values_outside_the_key_layout(make: Any) -> None:
     with pytest.raises(ValueError):
         make()
+
+
+def test_a_record_parsed_again_is_the_one_parsed_before_under_the_same_arguments() -> None:
+    # read_record keeps what it parsed (many simulated nodes read one commit): the same
+    # bytes, kind, key and verifier give the record parsed first; any other argument parses
+    # anew, so a record judged under one verifier is never taken as verified by another.
+    from gradientmail.core.signing import Keyring
+
+    ring, other = Keyring.of("a" * 32), Keyring.of("b" * 32)
+    lease = Lease(node="a", nonce=NONCE, counter=7)
+    signed = to_bytes(lease, ring)
+    first = read_record(signed, Lease, key="leases/a", verifier=ring)
+    assert first == lease
+    assert read_record(bytearray(signed), Lease, key="leases/a", verifier=ring) is first
+    with pytest.raises(FormatError, match="bad signature") as info:
+        read_record(signed, Lease, key="leases/a", verifier=other)
+    assert info.value.key == "leases/a"
+    unsigned = to_bytes(lease)
+    assert read_record(unsigned, Lease, key="leases/a") == lease
+    with pytest.raises(FormatError, match="unsigned"):
+        read_record(unsigned, Lease, key="leases/a", verifier=ring)
+    with pytest.raises(FormatError, match="expected a snapshot record"):
+        read_record(signed, Snapshot, key="leases/a", verifier=ring)
+    # A failure is not kept: the same bad bytes fail again, naming the key they were read at.
+    for key in ("leases/b", "leases/c"):
+        with pytest.raises(FormatError) as bad:
+            read_record(signed[:-2], Lease, key=key, verifier=ring)
+        assert bad.value.key == key
+
+
+def test_records_kept_parsed_stay_within_their_byte_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gradientmail.core import records
+
+    monkeypatch.setattr(records, "PARSED_BYTES", 4096)
+    monkeypatch.setattr(records, "_PARSED", records._Parsed())
+    for counter in range(200):
+        lease = Lease(node="a", nonce=NONCE, counter=counter)
+        assert read_record(to_bytes(lease), Lease, key="leases/a") == lease
+        assert records._PARSED._bytes <= 4096 + len(to_bytes(lease))
+    big = manifest(k=2)
+    data = to_bytes(big)
+    monkeypatch.setattr(records, "PARSED_LARGEST", len(data) - 1)
+    assert read_record(data, Manifest) == big
+    assert read_record(data, Manifest) is not read_record(data, Manifest)  # never kept
