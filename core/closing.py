@@ -49,6 +49,7 @@ another closer committed meanwhile, and leaves the round to be looked at again.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
@@ -182,9 +183,11 @@ class Done:
 Decision = ClaimRound | Wait | Done
 
 
+@functools.lru_cache(maxsize=65536)
 def rank(r: int, node: str) -> int:
     """Where ``node`` stands among round ``r``'s candidate closers: a stable hash of both
-    (blake2b, never Python's salted ``hash``), lowest first."""
+    (blake2b, never Python's salted ``hash``), lowest first. Memoized: every observer of a
+    round asks it of every reporter at each step."""
     digest = hashlib.blake2b(f"{r}/{node}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
 
@@ -196,7 +199,7 @@ def designated(
     ``rank`` (a node's place does not depend on who else reported, so a node can predict the
     closer from the nodes the round expects: Decision 8), live ones that have not left first,
     then live ones that have, each list turned by the attempt."""
-    ordered = sorted(reporters, key=lambda node: (rank(r, node), node))
+    ordered = _ordered(r, tuple(reporters))
     if not ordered:
         return ()
     live = leases.live(now=now, lease_timeout=timeout)
@@ -205,6 +208,13 @@ def designated(
     leaving = [n for n in ordered if n in live and n in left]
     # Attempt a is led by the a-th live node of the order (Decision 2).
     return tuple(_rotate(staying, attempt) + _rotate(leaving, attempt))
+
+
+@functools.lru_cache(maxsize=4096)
+def _ordered(r: int, reporters: tuple[str, ...]) -> tuple[str, ...]:
+    """``reporters`` by ``rank`` in round ``r`` (memoized: the same few sets are asked at
+    every step of a round)."""
+    return tuple(sorted(reporters, key=lambda node: (rank(r, node), node)))
 
 
 def _rotate(nodes: list[str], by: int) -> list[str]:

@@ -202,10 +202,18 @@ def renewal(
         return None
     for counter in range(known.counter + 1, known.counter + 1 + ahead):
         for left in (False, True):
-            lease = Lease(node=node, nonce=known.nonce, counter=counter, left=left)
-            if lease_md5(lease, keyring) == md5:
+            if _renewal_md5(node, known.nonce, counter, left, keyring) == md5:
                 return counter, left
     return None
+
+
+@functools.lru_cache(maxsize=65536)
+def _renewal_md5(node: str, nonce: str, counter: int, left: bool, keyring: Keyring | None) -> str:
+    """``lease_md5`` of that renewal, memoized by its fields: an observer asks it of the same
+    few renewals of every node at each LIST, and making the record each time cost more than
+    the lookup."""
+    lease = Lease(node=node, nonce=nonce, counter=counter, left=left)
+    return lease_md5.__wrapped__(lease, keyring)
 
 
 def judge(node: str, known: Known | None, lease: Lease) -> str | None:
