@@ -24,6 +24,7 @@ It prints, per loop and as ratios against the plain loop:
     python bench/scale.py                          # 124M, lone node, H=100, K=4, overlap 2
     python bench/scale.py --model 355M --steps 60  # memory at 355M
     python bench/scale.py --nodes 3 --steps 150    # a node of a 3-process run
+    python bench/scale.py --nodes 3 --steps 150 --spare  # ... where node 1 closes no round
     python bench/scale.py --quantization F8_E4M3   # a quantized delta
     # a closer's memory against its round's snapshots: 15.8M parameters, one fragment
     python bench/scale.py --model small --fragments 1 --inner-steps 10 --overlap 1 \
@@ -161,7 +162,7 @@ def _session_loop(args: argparse.Namespace, model: Any, train_step: Any) -> dict
         model,
         algorithm=algorithm,
         mailbox=mailbox,
-        learner_id=f"node{args.rank}",
+        learner_id=node_name(args.rank, args.spare),
         lease_every=10.0,
         lease_timeout=60.0,
         callbacks=(on_event,),
@@ -257,6 +258,7 @@ def spawn(args: argparse.Namespace, loop: str, rank: int, mailbox: str) -> subpr
         str(args.overlap),
         "--quantization",
         args.quantization,
+        *(["--spare"] if args.spare else []),
     ]
     return subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
 
@@ -280,6 +282,29 @@ def run_loops(args: argparse.Namespace, loop: str) -> list[dict[str, Any]]:
                 process.kill()
                 process.wait()
         shutil.rmtree(root, ignore_errors=True)
+
+
+SPARED_ROUNDS = 16
+"""``--spare`` names the nodes so that node 1 leads no closer order of rounds below this."""
+
+
+def node_name(rank: int, spare: bool) -> str:
+    """The learner id of the node of ``rank``: ``node<rank>``, or with ``spare`` the same
+    with the first suffix under which node 1 is never the first candidate closer
+    (``closing.designated``) of any of the first ``SPARED_ROUNDS`` rounds among three nodes:
+    a node that closes no round unless it takes one over, for the memory of a non-closer."""
+    if not spare:
+        return f"node{rank}"
+    from gradientmail.core.closing import rank as closer_rank
+
+    for suffix in range(100_000):
+        names = [f"node{i}-{suffix}" for i in range(3)]
+        leaders = {
+            min(names, key=lambda n, r=r: (closer_rank(r, n), n)) for r in range(SPARED_ROUNDS)
+        }
+        if names[1] not in leaders:
+            return f"node{rank}-{suffix}"
+    raise SystemExit("no suffix spares node 1")
 
 
 def report(
@@ -351,6 +376,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--quantization", choices=("F32", "F8_E4M3", "F4"), default="F32", help="the delta's format"
     )
+    parser.add_argument(
+        "--spare",
+        action="store_true",
+        help="with --nodes 3: name the nodes so that node 1 closes no round (a non-closer)",
+    )
     parser.add_argument("--child", choices=("plain", "session"), help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--mailbox", default="", help=argparse.SUPPRESS)
@@ -359,6 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.loop = args.child
         print(json.dumps(child(args)), flush=True)
         return 0
+    if args.spare and args.nodes != 3:
+        parser.error("--spare names three nodes: use it with --nodes 3")
     plain = run_loops(args, "plain")
     session = run_loops(args, "session")
     report(args, plain, session)
