@@ -25,6 +25,7 @@ order. Node ids are ``[a-z0-9-]{1,64}``; nonces are 16 lowercase hex digits.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Literal
 
@@ -172,8 +173,10 @@ _PATTERNS: tuple[tuple[Kind, re.Pattern[str]], ...] = (
 _SLOTTED = ("manifest", "snapshot", "commit")
 
 
+@functools.lru_cache(maxsize=8192)
 def parse(key: str) -> ParsedKey:
-    """Take a key of ours apart; ``FormatError`` naming the key when it is not one of ours."""
+    """Take a key of ours apart; ``FormatError`` naming the key when it is not one of ours.
+    Memoized (a failure is not): a node parses the same few keys at every LIST."""
     for kind, pattern in _PATTERNS:
         match = pattern.fullmatch(key)
         if match:

@@ -13,6 +13,7 @@ both, and the protocol's layout never needs it.
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from collections.abc import Sequence
@@ -164,6 +165,16 @@ def is_valid_key(key: str) -> bool:
 
 
 def _key_problem(key: str) -> str | None:
+    # Every request checks its key, and a node asks for the same few keys again and again.
+    return _str_key_problem(key) if type(key) is str else _any_key_problem(key)
+
+
+@functools.lru_cache(maxsize=8192)
+def _str_key_problem(key: str) -> str | None:
+    return _any_key_problem(key)
+
+
+def _any_key_problem(key: str) -> str | None:
     if (
         isinstance(key, str)
         and len(key) <= MAX_KEY_BYTES
