@@ -3,6 +3,7 @@ LISTs every poll, and a planted bug found.
 
     python bench/simulate.py             # requests at 8, 64, 256 nodes; speed at 8 and 64
     python bench/simulate.py --quick     # fewer nodes and rounds
+    python bench/simulate.py --speed     # only the throughput table (6 seeds a row)
 
 Requests (fixed workload, no faults): DiLoCo H=100, one fragment, 0.5 s per inner step (a
 round every 50 s), poll_interval 1 s, lease_every 10 s, lease_timeout 30 s, uniform mailbox
@@ -97,19 +98,35 @@ def requests_table(sizes: list[tuple[int, int]], seeds: int = 1) -> None:
             print(" " * 14 + "by purpose: " + ", ".join(f"{k} {v:.2f}" for k, v in top))
 
 
-def throughput_table(sizes: list[tuple[int, int]]) -> None:
-    print("\nSimulator throughput (tensor-free, no faults)")
+SPEED_TARGETS = {8: 2000, 64: 1000}
+"""Issue #20's targets: simulated node-rounds per CPU second at 8 and 64 nodes (6 seeds)."""
+
+
+def throughput_table(sizes: list[tuple[int, int]], seeds: int = 6) -> None:
+    """Node-rounds per second summed over seeds 1 to ``seeds`` (each seed's run is timed on
+    its own; the sums divide)."""
+    print(f"\nSimulator throughput (tensor-free, no faults), seeds 1-{seeds}")
     print(
         f"{'nodes':>5} {'rounds':>6} {'node-rounds':>11} {'wall s':>7} {'CPU s':>6} "
-        f"{'per wall s':>10} {'per CPU s':>9} {'per CPU s (no latency)':>22} {'events/CPU s':>12}"
+        f"{'per wall s':>10} {'per CPU s':>9} {'per CPU s (no latency)':>22} "
+        f"{'events/CPU s':>12} {'target':>7}"
     )
     for nodes, rounds in sizes:
-        o = run(nodes, rounds, SPEED)
-        flat = run(nodes, rounds, SPEED, latency="none")
+        runs = [run(nodes, rounds, SPEED, seed=seed) for seed in range(1, seeds + 1)]
+        flat = [
+            run(nodes, rounds, SPEED, seed=seed, latency="none") for seed in range(1, seeds + 1)
+        ]
+        done = sum(o.node_rounds for o in runs)
+        wall, cpu = sum(o.wall for o in runs), sum(o.cpu for o in runs)
+        flat_rate = sum(o.node_rounds for o in flat) / sum(o.cpu for o in flat)
+        target = SPEED_TARGETS.get(nodes)
+        verdict = (
+            "" if target is None else f"{'meets' if done / cpu >= target else 'MISSES'} {target}"
+        )
         print(
-            f"{nodes:>5} {rounds:>6} {o.node_rounds:>11} {o.wall:>7.1f} {o.cpu:>6.1f} "
-            f"{o.node_rounds / o.wall:>10.0f} {o.node_rounds / o.cpu:>9.0f} "
-            f"{flat.node_rounds / flat.cpu:>22.0f} {o.events / o.cpu:>12.0f}",
+            f"{nodes:>5} {rounds:>6} {done:>11} {wall:>7.1f} {cpu:>6.1f} "
+            f"{done / wall:>10.0f} {done / cpu:>9.0f} {flat_rate:>22.0f} "
+            f"{sum(o.events for o in runs) / cpu:>12.0f} {verdict:>7}",
             flush=True,
         )
 
@@ -177,18 +194,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--seeds", type=int, default=1, help="runs per row of the request table (seeds 1..N)"
     )
+    parser.add_argument("--speed", action="store_true", help="only the throughput table")
+    parser.add_argument(
+        "--speed-seeds", type=int, default=6, help="runs per row of the throughput table"
+    )
     args = parser.parse_args(argv)
     if args.requests:
         sizes = [tuple(map(int, size.split(":"))) for size in args.requests.split(",")]
         requests_table([(nodes, rounds) for nodes, rounds in sizes], args.seeds)
         return 0
+    if args.speed:
+        throughput_table([(8, 40), (64, 10)], args.speed_seeds)
+        return 0
     if args.quick:
         requests_table([(8, 4), (64, 2)], args.seeds)
-        throughput_table([(8, 20), (64, 5)])
+        throughput_table([(8, 20), (64, 5)], 2)
         profile(64, 5)
     else:
         requests_table([(8, 10), (64, 5), (256, 2)], args.seeds)
-        throughput_table([(8, 40), (64, 10)])
+        throughput_table([(8, 40), (64, 10)], args.speed_seeds)
         profile(64, 10)
     planted()
     return 0
