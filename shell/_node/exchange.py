@@ -19,8 +19,10 @@ checking and parsing them again.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
+import os
 import secrets
 import threading
 from collections import OrderedDict
@@ -712,9 +714,12 @@ class Exchange:
         )
         # Put, not create: the key holds the writer's fresh nonce, so no other writer names
         # it, and a put above the mailbox's part size goes in parts (docs/decisions.md). The
-        # parts are the tensors' own memory: nothing is copied whole to be written.
+        # parts are the tensors' own memory: nothing is copied whole to be written. A large
+        # payload is hashed on a thread of its own while it is written (both release the
+        # GIL), not after.
+        digest = digest_beside(payload)
         await self.put(key, parts)
-        ref = PayloadRef(key=key, digest=payload_digest(payload), size=data_size(parts))
+        ref = PayloadRef(key=key, digest=digest(), size=data_size(parts))
         copied = {n: t for n, t in tensors.items() if isinstance(t, TensorBytes)}
         if remember and len(copied) == len(tensors):
             self._remember(key, copied, ref=ref)
@@ -854,6 +859,35 @@ class Exchange:
         # Not durable (docs/decisions.md, "What must survive a crash"): a hint, and an
         # unreadable one is ignored.
         await self.put(keys.head(fragment), str(r).encode("ascii"), durable=False)
+
+
+HASHED_BESIDE = 4 * 2**20
+"""Payloads of at least this many bytes are hashed on the digest thread (``digest_beside``)."""
+
+_digests: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+
+
+def _digest_thread() -> concurrent.futures.ThreadPoolExecutor:
+    """The digest thread of this process (made again in a forked child, which inherits the
+    executor but not its thread)."""
+    global _digests
+    found = _digests
+    if found is None or found[0] != os.getpid():
+        found = _digests = (
+            os.getpid(),
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gradientmail-digest"),
+        )
+    return found[1]
+
+
+def digest_beside(payload: Payload) -> Callable[[], str]:
+    """``payload_digest(payload)``, started now on a thread of its own when the payload is
+    ``HASHED_BESIDE`` bytes or more (hashlib releases the GIL), so that the caller can write it
+    meanwhile; the function returned waits for the digest. The caller must not change the
+    payload's memory until it has the digest. A smaller payload is hashed when asked."""
+    if data_size(payload) < HASHED_BESIDE:
+        return partial(payload_digest, payload)
+    return _digest_thread().submit(payload_digest, payload).result
 
 
 def _every_key_squatted(last: str, what: str) -> FormatError:

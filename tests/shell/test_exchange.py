@@ -79,6 +79,34 @@ def test_a_reference_with_another_digest_or_size_is_read_from_the_store() -> Non
     asyncio.run(main())
 
 
+def test_a_large_payload_hashed_while_it_is_written_has_its_own_digest(tmp_path: Path) -> None:
+    # From HASHED_BESIDE bytes on, the digest is computed on another thread during the put;
+    # the reference must name the bytes stored, which another node reads and verifies.
+    from gradientmail._node.exchange import HASHED_BESIDE
+    from gradientmail.mailboxes import mailbox_from_url
+
+    url = f"file://{tmp_path}"
+    writer = Exchange(mailbox_from_url(url), MonotonicClock(), node="closer")
+    reader = Exchange(mailbox_from_url(url), MonotonicClock(), node="other")
+    n = HASHED_BESIDE // 4 + 1024
+    big = tensors(7.0, n=n)
+
+    async def main() -> None:
+        ref = await writer.write_payload(keys.params(3, "78" * 8), big, "off", remember=False)
+        stored = (tmp_path / ref.key).read_bytes()
+        assert ref.size == len(stored) > HASHED_BESIDE
+        assert ref.digest == payload_digest(stored[_header(stored) :])
+        assert await reader.read_payload(ref, limit=2 * ref.size) == dict(sorted(big.items()))
+
+    asyncio.run(main())
+
+
+def _header(blob: bytes) -> int:
+    from gradientmail.core.envelope import HEADER_BYTES, unseal
+
+    return HEADER_BYTES + len(unseal(blob).record)
+
+
 def test_a_deleted_payload_is_gone_for_its_writer_too() -> None:
     mailbox = MemoryMailbox().handle()
     exchange = Exchange(mailbox, MonotonicClock(), node="closer")
