@@ -1,6 +1,7 @@
 """Deterministic simulation of many nodes with faults, on virtual time (the command line).
 
     python -m sim.simulate --nodes 64 --rounds 200 --seeds 1000
+    python -m sim.simulate --nodes 64 --rounds 10 --seeds 1000 --jobs 2   # on both cores
 
 runs seeds 0..999, each expanded by swarm testing into its own mix of faults and workload
 (``sim_config.swarm``), each a full run of the library's own learner and syncer code over an
@@ -20,9 +21,13 @@ trace digest. Exit status 1 when anything was found.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
+import multiprocessing
+import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import attrs
 
@@ -264,6 +269,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--max-failures", type=int, default=3, help="stop after this many violating seeds"
     )
     parser.add_argument("--verbose", "-v", action="store_true", help="one line per seed")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help=f"worker processes running seeds (default 1; the CPUs here: {os.cpu_count() or 1})",
+    )
     return parser.parse_args(argv)
 
 
@@ -283,33 +294,92 @@ def main(argv: Sequence[str] | None = None) -> int:
     fixed: dict[str, object] = {"model": args.model, "naive": args.naive, "plant": args.plant}
     if args.replay is not None:
         return _replay(args, overrides, fixed)
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs must be at least 1, got {args.jobs}")
     summary = Summary()
-    for seed in range(args.first_seed, args.first_seed + args.seeds):
-        outcome = run_seed(
-            seed, nodes=args.nodes, rounds=args.rounds, overrides=overrides, fixed=fixed
+    start = time.perf_counter()
+    runs = [
+        _SeedRun(
+            seed=seed,
+            nodes=args.nodes,
+            rounds=args.rounds,
+            overrides=overrides,
+            fixed=fixed,
+            twice=bool(
+                args.determinism_every and (seed - args.first_seed) % args.determinism_every == 0
+            ),
         )
-        summary.add(outcome)
-        check = args.determinism_every and (seed - args.first_seed) % args.determinism_every == 0
-        if check and not outcome.violations:
-            again = run_seed(
-                seed,
-                nodes=args.nodes,
-                rounds=args.rounds,
-                overrides=overrides,
-                keep_trace=False,
-                fixed=fixed,
-            )
-            if again.digest != outcome.digest:
-                summary.nondeterministic.append(seed)
-        if args.verbose:
-            print(_line(outcome), flush=True)
-        if outcome.violations:
-            summary.failures.append((outcome, outcome))
-            print("\n".join(report(outcome, shrink_budget=args.shrink_budget)), flush=True)
-            if len(summary.failures) >= args.max_failures:
-                break
+        for seed in range(args.first_seed, args.first_seed + args.seeds)
+    ]
+    with _runner(args.jobs) as results:
+        for outcome, again in results(runs):
+            summary.add(outcome)
+            if again is not None and again != outcome.digest:
+                summary.nondeterministic.append(outcome.config.seed)
+            if args.verbose:
+                print(_line(outcome), flush=True)
+            if outcome.violations:
+                summary.failures.append((outcome, outcome))
+                print("\n".join(report(outcome, shrink_budget=args.shrink_budget)), flush=True)
+                if len(summary.failures) >= args.max_failures:
+                    break
     print("\n".join(summary.lines()))
+    if args.jobs > 1:
+        print(
+            f"elapsed:               {time.perf_counter() - start:.1f} s on {args.jobs} processes"
+        )
     return 1 if summary.failures or summary.nondeterministic else 0
+
+
+@attrs.frozen
+class _SeedRun:
+    """One seed of a batch, as a worker process runs it."""
+
+    seed: int
+    nodes: int
+    rounds: int
+    overrides: Mapping[str, str]
+    fixed: Mapping[str, object]
+    twice: bool  # run again and compare the trace digests
+
+
+def _run(job: _SeedRun) -> tuple[Outcome, str | None]:
+    """``job``'s outcome (its trace dropped when it found nothing: only a violation's report
+    prints one) and, when it runs twice, the second run's digest."""
+    outcome = run_seed(
+        job.seed, nodes=job.nodes, rounds=job.rounds, overrides=job.overrides, fixed=job.fixed
+    )
+    again = None
+    if job.twice and not outcome.violations:
+        again = run_seed(
+            job.seed,
+            nodes=job.nodes,
+            rounds=job.rounds,
+            overrides=job.overrides,
+            keep_trace=False,
+            fixed=job.fixed,
+        ).digest
+    if not outcome.violations:
+        outcome = attrs.evolve(outcome, trace=())
+    return outcome, again
+
+
+@contextlib.contextmanager
+def _runner(
+    jobs: int,
+) -> Iterator[Callable[[Sequence[_SeedRun]], Iterator[tuple[Outcome, str | None]]]]:
+    """Runs seeds in order of their numbers, in this process or in ``jobs`` worker processes
+    (each seed's run is deterministic wherever it runs); leaving the block cancels the seeds
+    not started."""
+    if jobs == 1:
+        yield lambda batch: map(_run, batch)
+        return
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        try:
+            yield lambda batch: pool.map(_run, batch)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _line(outcome: Outcome) -> str:

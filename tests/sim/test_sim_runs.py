@@ -4,6 +4,7 @@ the command line (summary, violation report, replay)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -101,6 +102,45 @@ def test_the_command_line_prints_a_summary(capsys: pytest.CaptureFixture[str]) -
     ):
         assert line in out
     assert out.count("seed 7:") == 1 and "seed 8: ok" in out
+
+
+def test_seeds_run_in_worker_processes_as_they_run_here(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # --jobs spreads seeds over processes: each seed's run, and so its digest, is the same
+    # wherever it runs, lines come in seed order, and a violation is still reported.
+    argv = [
+        "--nodes",
+        "3",
+        "--rounds",
+        "3",
+        "--seeds",
+        "4",
+        "--first-seed",
+        "11",
+        "-v",
+        "--determinism-every",
+        "2",
+    ]
+    assert main(argv) == 0
+    here = capsys.readouterr().out
+    assert main([*argv, "--jobs", "2"]) == 0
+    spread = capsys.readouterr().out
+
+    def digests(out: str) -> list[tuple[str, str]]:
+        return re.findall(r"^seed (\d+): ok;.* digest (\w+) ", out, flags=re.MULTILINE)
+
+    assert digests(here) == digests(spread) and [s for s, _ in digests(here)] == [
+        "11",
+        "12",
+        "13",
+        "14",
+    ]
+    assert "on 2 processes" in spread
+    planted = "--nodes 4 --rounds 4 --seeds 2 --plant rebase-included --set keep_rounds=None"
+    assert main([*planted.split(), "--jobs", "2", "--shrink-budget", "0"]) == 1
+    found = capsys.readouterr().out
+    assert "VIOLATION in seed 0:" in found and "[rebased-included]" in found
 
 
 def test_a_violation_is_reported_shrunk_with_a_replay_command(
