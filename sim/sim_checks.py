@@ -73,6 +73,8 @@ class Incarnation:
     snapshots: dict[int, Snapshot] = attrs.Factory(dict)
     publishing: dict[int, float] = attrs.Factory(dict)
     lease_seen: dict[str, tuple[list[float], list[str]]] = attrs.Factory(dict)
+    # the highest counter of each process (nonce) among the lease records in lease_seen
+    lease_highest: dict[str, dict[str, int]] = attrs.Factory(dict)
     claim_started: dict[str, float] = attrs.Factory(dict)
     join_floor: dict[int, int] = attrs.Factory(dict)
     crash_after_write: bool = False
@@ -140,14 +142,14 @@ class Checker:
                 continue
             nonce, _, rest = version.partition(".")
             counter = rest.partition(".")[0]
-            if counter.isdigit() and any(
-                s.partition(".")[0] == nonce and int(s.split(".")[1]) >= int(counter)
-                for s in seen
-                if s.count(".") == 2 and s.split(".")[1].isdigit()
-            ):
+            record = version.count(".") == 2 and counter.isdigit()
+            highest = inc.lease_highest.setdefault(node, {})
+            if record and highest.get(nonce, -1) >= int(counter):
                 continue  # an older (or the same) record of a process it has seen
             times.append(self.clock.time)
             seen.append(version)
+            if record:
+                highest[nonce] = int(counter)
 
     def landed(self, inc: Incarnation, key: str, data: bytes, before: bytes | None) -> None:
         """A write of ``inc`` changed ``key`` (``before``: what it held)."""

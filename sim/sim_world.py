@@ -100,6 +100,7 @@ class World:
         self.oracle = self.store.handle(clock=self.clock)
         self.backend = backend_for(c.model)
         self.takeover = c.takeover if c.takeover is not None else c.lease_timeout
+        self._lease_versions: dict[tuple[str, str], str] = {}
         self.checker = Checker(
             algorithm=self.algorithm,
             backend=self.backend,
@@ -473,8 +474,17 @@ class World:
         if prefix == keys.LEASES:
             # A lease changes when its record does (core.leases judges the record): a retry
             # rewriting the same renewal, or a replay, is no renewal.
-            versions = {i.key[len(keys.LEASES) :]: _record_version(mailbox, i) for i in infos}
+            versions = {i.key[len(keys.LEASES) :]: self._listed_version(mailbox, i) for i in infos}
             self.checker.leases_listed(mailbox.owner, versions)
+
+    def _listed_version(self, mailbox: SimMailbox, info: ObjectInfo) -> str:
+        """``_record_version`` of a listed lease, kept by key and store version: the object a
+        version names never changes (every write takes a new one), and every node lists the
+        same leases again and again."""
+        known = self._lease_versions.get((info.key, info.version))
+        if known is None:
+            known = self._lease_versions[(info.key, info.version)] = _record_version(mailbox, info)
+        return known
 
     # -- events and the trace -------------------------------------------------------------
 

@@ -7,6 +7,7 @@ simulator on virtual time sees the injected delays on its own clock.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import itertools
 import random
@@ -86,12 +87,38 @@ MD5_LIMIT = 64 * 1024
 
 
 class _Store:
-    """The shared state behind one or more handles."""
+    """The shared state behind one or more handles: the objects by key, and their keys in
+    order (``keys``), so that a LIST visits only the keys under its prefix."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.objects: dict[str, _Entry] = {}
+        self.keys: list[str] = []
         self.versions = itertools.count(1)
+
+    def put(self, key: str, entry: _Entry) -> None:
+        """Store ``entry`` at ``key`` (with the lock held)."""
+        if key not in self.objects:
+            bisect.insort(self.keys, key)
+        self.objects[key] = entry
+
+    def pop(self, key: str) -> None:
+        """Remove ``key`` if present (with the lock held)."""
+        if self.objects.pop(key, None) is not None:
+            del self.keys[bisect.bisect_left(self.keys, key)]
+
+    def under(self, prefix: str, after: str | None) -> list[str]:
+        """The keys that start with ``prefix`` and sort after ``after``, in order (with the
+        lock held)."""
+        start = bisect.bisect_left(self.keys, prefix)
+        if after is not None and after >= prefix:
+            start = bisect.bisect_right(self.keys, after, lo=start)
+        found = []
+        for key in itertools.islice(self.keys, start, None):
+            if not key.startswith(prefix):
+                break
+            found.append(key)
+        return found
 
 
 _named_lock = threading.Lock()
@@ -174,7 +201,7 @@ class MemoryMailbox:
 
     async def delete(self, key: str) -> None:
         validate_key(key, store=self.url, operation="delete")
-        await self._write("delete", key, b"", lambda: self._store.objects.pop(key, None))
+        await self._write("delete", key, b"", lambda: self._store.pop(key))
 
     async def list(self, prefix: str, *, after: str | None = None) -> list[ObjectInfo]:
         validate_prefix(prefix, store=self.url)
@@ -182,10 +209,8 @@ class MemoryMailbox:
         now = self._clock.now()
         infos = []
         with self._store.lock:
-            for key in sorted(self._store.objects):
+            for key in self._store.under(prefix, after):
                 entry = self._store.objects[key]
-                if not key.startswith(prefix) or (after is not None and key <= after):
-                    continue
                 if self._hidden(entry, now):
                     continue
                 infos.append(
@@ -220,7 +245,7 @@ class MemoryMailbox:
         md5 = (
             hashlib.md5(blob, usedforsecurity=False).hexdigest() if len(blob) <= MD5_LIMIT else None
         )
-        self._store.objects[key] = _Entry(blob, version, self._clock.now(), md5)
+        self._store.put(key, _Entry(blob, version, self._clock.now(), md5))
         return True
 
     async def _write(self, kind: _Kind, key: str, data: bytes, apply: Callable[[], object]) -> bool:
