@@ -79,9 +79,14 @@ class Leases:
     seen: tuple[tuple[str, Observed], ...] = ()
     polled_at: float | None = None
 
-    @property
-    def by_node(self) -> dict[str, Observed]:
+    @functools.cached_property
+    def by_node(self) -> Mapping[str, Observed]:
+        """``seen`` as a mapping (made once: a view is asked many times each step)."""
         return dict(self.seen)
+
+    @functools.cached_property
+    def _live(self) -> dict[tuple[float, float], frozenset[str]]:
+        return {}
 
     def _at(self, now: float) -> float:
         return now if self.polled_at is None else min(now, self.polled_at)
@@ -95,7 +100,12 @@ class Leases:
     def live(self, *, now: float, lease_timeout: float) -> frozenset[str]:
         """Nodes whose lease has not expired, whether or not they have left."""
         at = self._at(now)
-        return frozenset(n for n, o in self.seen if at - o.changed_at < lease_timeout)
+        found = self._live.get((at, lease_timeout))
+        if found is None:
+            found = frozenset(n for n, o in self.seen if at - o.changed_at < lease_timeout)
+            if len(self._live) < 16:  # memoized: the rules ask the same view many times a step
+                self._live[(at, lease_timeout)] = found
+        return found
 
     def active(self, *, now: float, lease_timeout: float) -> frozenset[str]:
         """Live nodes that have not left: the ones a round may wait for."""
@@ -120,7 +130,7 @@ def observe(
     record (``Known.record``). A new version counts as a change now; a lease not listed keeps
     what was last seen of it (and so ages).
     """
-    seen = leases.by_node
+    seen = dict(leases.seen)
     for node, (version, left, nonce) in listing.items():
         old = seen.get(node)
         changed_at = old.changed_at if old is not None and old.version == version else now

@@ -116,7 +116,7 @@ def _chain_skips(
 def _stale_lease(
     view: leases.Leases, listing: Mapping[str, tuple[str, bool, str]], *, now: float
 ) -> leases.Leases:
-    seen = view.by_node
+    seen = dict(view.seen)
     for node, (version, left, nonce) in listing.items():
         old = seen.get(node)
         changed_at = now if old is None else old.changed_at  # a newer record is no change
