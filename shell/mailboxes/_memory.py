@@ -113,12 +113,10 @@ class _Store:
         start = bisect.bisect_left(self.keys, prefix)
         if after is not None and after >= prefix:
             start = bisect.bisect_right(self.keys, after, lo=start)
-        found = []
-        for key in itertools.islice(self.keys, start, None):
-            if not key.startswith(prefix):
-                break
-            found.append(key)
-        return found
+        # Every key under the prefix sorts below the prefix followed by a character above
+        # any a key may hold (keys are ASCII: ``validate_key``).
+        end = bisect.bisect_left(self.keys, prefix + "\uffff", lo=start)
+        return self.keys[start:end]
 
 
 _named_lock = threading.Lock()
