@@ -3,6 +3,9 @@
     python -m sim.simulate --nodes 64 --rounds 200 --seeds 1000
     python -m sim.simulate --nodes 64 --rounds 10 --seeds 1000 --jobs 2   # on both cores
 
+(Stop a ``--jobs`` run with Ctrl-C, which reaches its worker processes too; a signal sent to
+the parent alone leaves them running their seeds.)
+
 runs seeds 0..999, each expanded by swarm testing into its own mix of faults and workload
 (``sim_config.swarm``), each a full run of the library's own learner and syncer code over an
 in-memory store (``sim_world``), checked as it goes and at the end (``sim_checks``, ``audit``).
