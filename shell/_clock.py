@@ -1,10 +1,11 @@
 """Clocks and bells: where the shell reads time and waits, so a simulator can swap in virtual
 time and run the same code.
 
-A ``Clock`` gives monotonic seconds, a way to sleep, and ``bell()``: a ``Bell`` that cuts a
-wait short. A node's loops sleep on their bells until the earliest deadline their rules
-returned, and ring each other's when they hand something over (a capture to upload, a snapshot
-to consider, a commit to merge), so what a node does itself never waits for a poll.
+A ``Clock`` gives monotonic seconds, a way to sleep, ``bell()``: a ``Bell`` that cuts a wait
+short, and ``gather``: coroutines run at once (requests in flight together). A node's loops
+sleep on their bells until the earliest deadline their rules returned, and ring each other's
+when they hand something over (a capture to upload, a snapshot to consider, a commit to merge),
+so what a node does itself never waits for a poll.
 
 The real clock's bells work across threads: a loop awaits ``wait`` on its ``asyncio`` event
 loop, and the training thread awaits it in a coroutine that ``run_sync`` drives without any
@@ -18,10 +19,10 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Coroutine, Generator
+from collections.abc import Coroutine, Generator, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-__all__ = ["Bell", "Clock", "MonotonicClock", "ThreadBell", "nap", "run_sync"]
+__all__ = ["Bell", "Clock", "MonotonicClock", "ThreadBell", "nap", "raise_first", "run_sync"]
 
 T = TypeVar("T")
 
@@ -57,6 +58,11 @@ class Clock(Protocol):
 
     def bell(self) -> Bell:
         """A new bell whose waits run on this clock."""
+        ...
+
+    async def gather(self, *coroutines: Coroutine[Any, Any, T]) -> list[T]:
+        """Run ``coroutines`` at once and return their results in order. Every one runs to its
+        end; then the first (in order) that raised has its exception raised here."""
         ...
 
 
@@ -137,6 +143,17 @@ class MonotonicClock:
 
     def bell(self) -> ThreadBell:
         return ThreadBell()
+
+    async def gather(self, *coroutines: Coroutine[Any, Any, T]) -> list[T]:
+        return raise_first(await asyncio.gather(*coroutines, return_exceptions=True))
+
+
+def raise_first(outcomes: Sequence[T | BaseException]) -> list[T]:
+    """``outcomes`` as results, or the first exception among them raised."""
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    return list(outcomes)  # type: ignore[arg-type]
 
 
 async def nap(clock: Clock, bell: Bell | None, seconds: float) -> None:

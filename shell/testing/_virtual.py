@@ -1,7 +1,8 @@
 """Virtual time: clocks, bells and one scheduler that run many nodes' coroutines in one thread.
 
-A node's code awaits nothing but its clock's ``sleep``, its bells' ``wait`` and mailbox calls,
-so it needs no ``asyncio`` loop: ``Scheduler`` steps each coroutine with ``send`` until it
+A node's code awaits nothing but its clock's ``sleep`` and ``gather``, its bells' ``wait`` and
+mailbox calls, so it needs no ``asyncio`` loop (a gather runs its coroutines as tasks of the
+awaiting task's process): ``Scheduler`` steps each coroutine with ``send`` until it
 waits, and moves time to the next wake-up only when every coroutine waits. Ties are broken by a
 seeded random generator, so one seed is one interleaving, replayed bit for bit (``digest``).
 
@@ -20,9 +21,13 @@ import heapq
 import random
 import struct
 from collections.abc import Callable, Coroutine, Generator
-from typing import Any
+from typing import Any, TypeVar
+
+from gradientmail._clock import raise_first
 
 __all__ = ["Crashed", "NodeClock", "Process", "Scheduler", "Task", "VirtualBell", "VirtualClock"]
+
+T = TypeVar("T")
 
 
 class Crashed(BaseException):
@@ -66,6 +71,32 @@ class _After:
         yield self
 
 
+class _Gather:
+    """Run ``coroutines`` as tasks of the awaiting task's process; resume when all are done."""
+
+    __slots__ = ("coroutines", "tasks")
+
+    def __init__(self, coroutines: tuple[Coroutine[Any, Any, Any], ...]) -> None:
+        self.coroutines = coroutines
+        self.tasks: list[Task] = []
+
+    def __await__(self) -> Generator[_Gather | _After, None, list[Any]]:
+        yield self  # the scheduler spawns ``tasks`` and resumes this task at the same instant
+        for task in self.tasks:
+            while not task.done:
+                yield _After(task)
+        outcomes = [t.result if t.error is None else t.error for t in self.tasks]
+        for task in self.tasks:
+            task.error = None  # handed to the awaiting task, no longer a task's own failure
+        return raise_first(outcomes)
+
+
+async def _gather(coroutines: tuple[Coroutine[Any, Any, T], ...]) -> list[T]:
+    if not coroutines:
+        return []
+    return await _Gather(coroutines)
+
+
 class VirtualClock:
     """World time in seconds: what the scheduler advances. Also a ``Clock`` of its own."""
 
@@ -80,6 +111,9 @@ class VirtualClock:
 
     def bell(self) -> VirtualBell:
         return VirtualBell(self, 1.0)
+
+    async def gather(self, *coroutines: Coroutine[Any, Any, T]) -> list[T]:
+        return await _gather(coroutines)
 
 
 class NodeClock:
@@ -100,6 +134,9 @@ class NodeClock:
 
     def bell(self) -> VirtualBell:
         return VirtualBell(self.world, self.rate)
+
+    async def gather(self, *coroutines: Coroutine[Any, Any, T]) -> list[T]:
+        return await _gather(coroutines)
 
 
 class VirtualBell:
@@ -153,6 +190,7 @@ class Task:
         "ident",
         "name",
         "process",
+        "result",
         "token",
         "waiting",
     )
@@ -166,6 +204,7 @@ class Task:
         self.process = process
         self.done = False
         self.error: BaseException | None = None
+        self.result: Any = None
         self.token = 0  # a queue entry with another token is stale
         self.waiting: VirtualBell | None = None
         self.followers: list[Task] = []
@@ -295,8 +334,9 @@ class Scheduler:
         request: object = None
         try:
             request = task.coroutine.send(None)
-        except StopIteration:
+        except StopIteration as stop:
             task.done = True
+            task.result = stop.value
         except BaseException as exc:  # a task's failure is data for its caller's checks
             task.done = True
             task.error = exc
@@ -314,6 +354,12 @@ class Scheduler:
             task.waiting = request.bell
             if request.until is not None:
                 self._push(task, request.until)
+        elif type(request) is _Gather:
+            request.tasks = [
+                self.spawn(f"{task.name}/{i}", coroutine, process=task.process)
+                for i, coroutine in enumerate(request.coroutines)
+            ]
+            self._push(task, when)
         elif type(request) is _After:
             if request.task.done:
                 self._push(task, when)
@@ -321,8 +367,8 @@ class Scheduler:
                 request.task.followers.append(task)
         else:
             raise TypeError(
-                f"task {task.name} awaited {request!r}: only clock sleeps, bell waits and "
-                "mailbox calls may be awaited under virtual time"
+                f"task {task.name} awaited {request!r}: only clock sleeps and gathers, bell "
+                "waits and mailbox calls may be awaited under virtual time"
             )
 
     @property

@@ -117,3 +117,61 @@ def test_node_clocks_drift_and_only_sleeps_may_be_awaited() -> None:
     scheduler.spawn("b", process=scheduler.process("b"), coroutine=bad())
     with pytest.raises(TypeError, match="only clock sleeps"):
         scheduler.run(until=200)
+
+
+def test_a_gather_runs_its_coroutines_at_once_and_returns_their_results_in_order() -> None:
+    clock, scheduler, log = make()
+    node = NodeClock(clock, rate=1.0)
+    got: list[object] = []
+
+    async def after(seconds: float, value: str) -> str:
+        await node.sleep(seconds)
+        log.append((clock.now(), value))
+        return value
+
+    async def parent() -> None:
+        got.append(await node.gather(after(3.0, "slow"), after(1.0, "fast"), after(2.0, "mid")))
+        got.append(clock.now())
+        got.append(await node.gather())
+
+    task = scheduler.spawn("p", process=scheduler.process("p"), coroutine=parent())
+    scheduler.run(until=100)
+    assert got == [["slow", "fast", "mid"], 3.0, []], "in order, together: 3 s, not 6"
+    assert [v for _, v in log] == ["fast", "mid", "slow"]
+    assert task.done and task.error is None
+
+
+def test_a_gather_waits_for_all_then_raises_the_first_error_and_a_crash_drops_it_all() -> None:
+    clock, scheduler, log = make()
+
+    async def fail(seconds: float, message: str) -> None:
+        await clock.sleep(seconds)
+        raise ValueError(message)
+
+    async def parent() -> None:
+        try:
+            await clock.gather(
+                fail(2.0, "second"), fail(1.0, "first"), ticker(clock, log, "t", 1, 3)
+            )
+        except ValueError as exc:
+            log.append((clock.now(), str(exc)))
+
+    scheduler.spawn("p", process=scheduler.process("p"), coroutine=parent())
+    scheduler.run(until=100)
+    # Every coroutine ran to its end (the ticker's three ticks) before the error was raised:
+    # the first in order, not the first in time.
+    assert log == [(1.0, "t"), (2.0, "t"), (3.0, "t"), (3.0, "second")]
+
+    victim = scheduler.process("v")
+    log.clear()
+
+    async def doomed() -> None:
+        await clock.gather(ticker(clock, log, "a", 1.0, 5), ticker(clock, log, "b", 1.0, 5))
+        log.append((clock.now(), "after"))
+
+    scheduler.spawn("v", process=victim, coroutine=doomed())
+    scheduler.run(until=clock.time + 2.5)
+    scheduler.crash(victim)
+    scheduler.run(until=200)
+    assert sorted(n for _, n in log) == ["a", "a", "b", "b"], "no child and no parent ran on"
+    assert scheduler.errors == []
