@@ -356,11 +356,14 @@ class ReadClaim:
 class ReadSnapshot:
     """GET and verify the snapshot at ``node``'s snapshot key ``slot`` of ``round``; its
     payload waits in the round's workspace for the ``Accumulate`` that follows (the next read
-    drops one not summed)."""
+    drops one not summed). ``ahead``: the (node, slot) keys the close reads next, which may be
+    fetched together with this one and kept until they are read (``closing.READ_AHEAD``);
+    kept ones this read does not name are dropped."""
 
     round: int
     node: str
     slot: int = 0
+    ahead: tuple[tuple[str, int], ...] = ()
 
 
 @attrs.frozen(kw_only=True)

@@ -13,7 +13,7 @@ import logging
 import math
 import threading
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from gradientmail._clock import Bell, Clock
 from gradientmail.core.effects import Done, Effect, Fail, Result, Wait
@@ -46,6 +46,51 @@ class Inbox:
         return items
 
 
+class _Aside:
+    """The effects a loop carries out beside itself: a queue, run one at a time by ``run``
+    until ``close`` (and the queue is empty); results go to the loop's inbox, and an error
+    ends the queue and is raised by the loop (``check``)."""
+
+    def __init__(self, execute: Execute, inbox: Inbox, bell: Bell, latest: frozenset[type]) -> None:
+        self._execute = execute
+        self._inbox = inbox
+        self._bell = bell
+        self._latest = latest
+        self._queue: list[Effect] = []
+        self._closed = False
+        self._error: BaseException | None = None
+
+    def add(self, effect: Effect) -> None:
+        if type(effect) in self._latest:
+            self._queue = [e for e in self._queue if type(e) is not type(effect)]
+        self._queue.append(effect)
+        self._bell.ring()
+
+    def close(self) -> None:
+        self._closed = True
+        self._bell.ring()
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    async def run(self) -> None:
+        while True:
+            while self._queue and self._error is None:
+                effect = self._queue.pop(0)
+                try:
+                    result = await self._execute(effect)
+                except Exception as exc:  # raised by the loop, at its next step
+                    self._error = exc
+                    self._inbox.bell.ring()
+                    break
+                if result is not None:
+                    self._inbox.put(result)
+            if self._closed or self._error is not None:
+                return
+            await self._bell.wait(None)
+
+
 async def drive(
     name: str,
     rule: Rule[S],
@@ -56,36 +101,73 @@ async def drive(
     inbox: Inbox,
     settings: Any,
     keep: Callable[[S], None] | None = None,
+    aside: frozenset[type] = frozenset(),
+    latest: frozenset[type] = frozenset(),
 ) -> S:
     """Run ``rule`` from ``state`` until it is done; ``keep`` sees every state (for readers
-    on other threads). Raises what a ``Fail`` effect carries."""
+    on other threads); effects of the types in ``aside`` are carried out beside the loop
+    (``latest``: those a newer one replaces while queued). Raises what a ``Fail`` effect
+    carries, or what an aside effect raised."""
+    if not aside:
+        return await _drive(name, rule, state, execute, clock, inbox, settings, keep, None)
+    beside = _Aside(execute, inbox, clock.bell(), latest)
+    run = _drive(name, rule, state, execute, clock, inbox, settings, keep, (beside, aside))
+    final, _ = await clock.gather(run, beside.run())
+    beside.check()  # an effect queued before the loop ended may have failed after it
+    return cast(S, final)
+
+
+async def _drive(
+    name: str,
+    rule: Rule[S],
+    state: S,
+    execute: Execute,
+    clock: Clock,
+    inbox: Inbox,
+    settings: Any,
+    keep: Callable[[S], None] | None,
+    aside: tuple[_Aside, frozenset[type]] | None,
+) -> S:
     results: list[Result] = []
-    while True:
-        view: Sequence[Result] = [*inbox.take(), *results]
-        state, effects, reason = rule(view, state, now=clock.now(), settings=settings)
-        if keep is not None:
-            keep(state)
-        logger.debug("%s: %s", name, reason)
-        results, until = [], math.inf
-        for effect in effects:
-            if isinstance(effect, Wait):
-                until = math.inf if effect.until is None else effect.until
-            elif isinstance(effect, Done):
-                return state
-            elif isinstance(effect, Fail):
-                raise effect.error
-            else:
-                result = await execute(effect)
-                if result is not None:
-                    results.append(result)
-        if not results:
-            await inbox.bell.wait(None if until == math.inf else until - clock.now())
+    try:
+        while True:
+            if aside is not None:
+                aside[0].check()
+            view: Sequence[Result] = [*inbox.take(), *results]
+            state, effects, reason = rule(view, state, now=clock.now(), settings=settings)
+            if keep is not None:
+                keep(state)
+            logger.debug("%s: %s", name, reason)
+            results, until = [], math.inf
+            for effect in effects:
+                if isinstance(effect, Wait):
+                    until = math.inf if effect.until is None else effect.until
+                elif isinstance(effect, Done):
+                    return state
+                elif isinstance(effect, Fail):
+                    raise effect.error
+                elif aside is not None and type(effect) in aside[1]:
+                    aside[0].add(effect)
+                else:
+                    result = await execute(effect)
+                    if result is not None:
+                        results.append(result)
+            if not results:
+                await inbox.bell.wait(None if until == math.inf else until - clock.now())
+    finally:
+        if aside is not None:
+            aside[0].close()
 
 
 class Executor:
     """Carries out effects: ``_handlers`` maps each effect type it takes to a method."""
 
     _handlers: dict[type, Callable[[Any], Awaitable[Result | None]]]
+
+    aside: frozenset[type] = frozenset()
+    """Effect types carried out beside the loop (``drive``)."""
+    latest: frozenset[type] = frozenset()
+    """Aside effect types of which only the newest queued one is carried out."""
 
     async def execute(self, effect: Effect) -> Result | None:
         return await self._handlers[type(effect)](effect)
@@ -113,6 +195,8 @@ class Loop(Executor, Generic[S]):
             inbox=self.inbox,
             settings=self.settings,
             keep=self._keep,
+            aside=self.aside,
+            latest=self.latest,
         )
 
     def _keep(self, state: S) -> None:

@@ -41,9 +41,9 @@ from gradientmail.core import effects as fx
 from gradientmail.core import keys, syncer
 from gradientmail.core.codecs import Compression
 from gradientmail.core.payloads import all_f32, payload_limit
-from gradientmail.core.records import Commit
+from gradientmail.core.records import Commit, Snapshot
 from gradientmail.core.robust import snapshot_bound
-from gradientmail.core.tensors import TensorBytes
+from gradientmail.core.tensors import Schema, TensorBytes
 
 __all__ = ["SyncerLoop"]
 
@@ -51,9 +51,13 @@ __all__ = ["SyncerLoop"]
 @attrs.define(eq=False)
 class _Workspace:
     """One round's tensors while this node closes it: the snapshot read last (its payload,
-    or the delta its learner handed over when it is this node's own) and the sum."""
+    or the delta its learner handed over when it is this node's own), the snapshots fetched
+    ahead of their turn (``ReadSnapshot.ahead``) and the sum."""
 
     waiting: tuple[str, Mapping[str, TensorBytes] | None, Tensors | None] | None = None
+    ahead: dict[tuple[str, int], fx.SnapshotRead | tuple[Snapshot, Mapping[str, TensorBytes]]] = (
+        attrs.field(factory=dict)
+    )
     sum: Tensors | None = None
     master: Base | None = None
     momentum: Base | None = None
@@ -159,6 +163,10 @@ class SyncerLoop(Loop[syncer.SyncerState]):
 
     name = "syncer"
     rule = staticmethod(syncer.step)
+    # The lease is renewed and the leases listed beside the rounds' work (drive): a close's
+    # slow read never delays a renewal, and a LIST never delays a close.
+    aside = frozenset({fx.RenewLease, fx.ListLeases, fx.ReadLease})
+    latest = frozenset({fx.RenewLease})
 
     def _work_of(self, r: int) -> _Workspace:
         return self._work.setdefault(r, _Workspace())
@@ -218,6 +226,29 @@ class SyncerLoop(Loop[syncer.SyncerState]):
             # "A closer does not read back its own snapshot").
             work.waiting = (node, None, own.delta)
             return fx.SnapshotRead(round=r, node=node, slot=slot, record=own.record)
+        found = work.ahead.pop((node, slot), None)
+        if found is None:
+            # This key and the next ones the close names, fetched together; the others kept
+            # for their turn (those of this node are its own, in hand).
+            later = [k for k in read.ahead if k[0] != self._node and k not in work.ahead]
+            fetched = await self._exchange.clock.gather(
+                *(self._fetch_snapshot(r, n, s, schema) for n, s in [(node, slot), *later])
+            )
+            found = fetched[0]
+            work.ahead.update(zip(later, fetched[1:], strict=True))
+        for k in [k for k in work.ahead if k not in read.ahead]:
+            del work.ahead[k]  # fetched for a read the close no longer makes
+        if isinstance(found, fx.SnapshotRead):
+            return found
+        record, payload = found
+        work.waiting = (node, payload, None)
+        return fx.SnapshotRead(round=r, node=node, slot=slot, record=record)
+
+    async def _fetch_snapshot(
+        self, r: int, node: str, slot: int, schema: Schema
+    ) -> fx.SnapshotRead | tuple[Snapshot, Mapping[str, TensorBytes]]:
+        """The verified snapshot at ``node``'s key ``slot`` of ``r`` and its payload, or the
+        result that reports it gone or rejected."""
         limit, bound = payload_limit(schema), snapshot_bound(schema)
         try:
             found = await self._exchange.snapshot(r, node, slot=slot, limit=limit, bound=bound)
@@ -225,9 +256,7 @@ class SyncerLoop(Loop[syncer.SyncerState]):
             return fx.SnapshotRead(round=r, node=node, slot=slot, record=None, rejected=str(exc))
         if found is None:
             return fx.SnapshotRead(round=r, node=node, slot=slot, record=None)
-        record, payload = found
-        work.waiting = (node, payload, None)
-        return fx.SnapshotRead(round=r, node=node, slot=slot, record=record)
+        return found
 
     async def _accumulate(self, add: fx.Accumulate) -> fx.Result:
         r, node = add.round, add.node
@@ -320,18 +349,21 @@ class SyncerLoop(Loop[syncer.SyncerState]):
         try:
             # Lent, not copied (nothing writes these tensors before the payloads are stored),
             # and not remembered by the exchange: the learner is handed the parameters and
-            # this loop keeps the outer state (``_keep_state``), as tensors.
-            params = await self._exchange.write_payload(
-                keys.params(r, nonce),
-                self._backend.lend(work.params),
-                self._compression,
-                remember=False,
-            )
-            state = await self._exchange.write_payload(
-                keys.state(r, nonce),
-                outer_state(self._backend, schema, master, momentum),
-                self._compression,
-                remember=False,
+            # this loop keeps the outer state (``_keep_state``), as tensors. The two are
+            # written at once: a close waits on one write's time, not two.
+            params, state = await self._exchange.clock.gather(
+                self._exchange.write_payload(
+                    keys.params(r, nonce),
+                    self._backend.lend(work.params),
+                    self._compression,
+                    remember=False,
+                ),
+                self._exchange.write_payload(
+                    keys.state(r, nonce),
+                    outer_state(self._backend, schema, master, momentum),
+                    self._compression,
+                    remember=False,
+                ),
             )
         except UNTRUSTED as exc:  # a payload key taken: report, and look again later
             return fx.Written(round=r, nonce=nonce, params=None, state=None, failed=str(exc))

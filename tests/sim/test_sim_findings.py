@@ -41,7 +41,9 @@ def first_found(kind: str, seeds: range, **settings: Any) -> Outcome | None:
 # the faults that make it show within a few seeds.
 PLANTED: list[tuple[str, str, dict[str, Any]]] = [
     # Decision 2's takeover timeout disabled: attempt 1 opens as soon as attempt 0 is seen.
-    ("takeover-now", "takeover-early", {}),
+    # Requests of 50 ms, so that a close (its reads fetched together) outlasts the others'
+    # next poll, where they see its claim.
+    ("takeover-now", "takeover-early", {"latency_mean": 0.05}),
     # The learner told its snapshot was never included: it rebases counted progress.
     ("rebase-included", "rebased-included", {}),
     # The closer deletes the commit key before its create; needs a stalled closer.
