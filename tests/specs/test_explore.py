@@ -5,10 +5,12 @@ fingerprints that ignore Python's hash seed, and the command line."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 
 import attrs
@@ -19,7 +21,7 @@ from gradientmail.core.records import Commit
 from specs.__main__ import main
 from specs.bugs import BROKEN, BUGS
 from specs.config import Config
-from specs.explore import explore, random_walk, replay
+from specs.explore import Result, explore, random_walk, replay
 from specs.invariants import check, first_rounds_expect_all
 from specs.liveness import settle
 from specs.mailbox import Forged, commit_at, manifest_at, snapshot_at
@@ -87,10 +89,29 @@ BOUNDED_CONFIGS = [
 BOUND = 200_000
 
 
+@pytest.fixture(scope="module")
+def ci_explorations(request: pytest.FixtureRequest) -> Iterator[dict[str, Future[Result]]]:
+    """The CI configurations this session selected, explored in worker processes on every
+    core at once (each exploration is single-threaded; minutes each): one future each, by the
+    configuration's description."""
+    chosen = [
+        config
+        for config in CI_CONFIGS
+        if any(
+            item.name == f"test_ci_configuration_holds[{config.describe()}]"
+            for item in request.session.items
+        )
+    ]
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1, mp_context=context) as pool:
+        yield {config.describe(): pool.submit(explore, config) for config in chosen}
+
+
 @pytest.mark.parametrize("config", CI_CONFIGS, ids=Config.describe)
-def test_ci_configuration_holds(config: Config) -> None:
+def test_ci_configuration_holds(config: Config, ci_explorations: dict[str, Future[Result]]) -> None:
     """Every safety invariant, deadlock freedom and liveness hold in every reachable state."""
-    result = explore(config)
+    result = ci_explorations[config.describe()].result()
+    assert result.config == config
     assert result.complete, result
     assert result.violation is None, result.violation
 
