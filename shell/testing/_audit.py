@@ -121,6 +121,7 @@ async def audit_async(
     snapshots = recomputed = 0
     counted: dict[tuple[str, str], int] = {}
     used: set[str] = set()  # the snapshot key each commit's included snapshot was found at
+    K = manifest.algorithm.fragments
     for r, commit in commits.items():
         for i in commit.included:
             if (i.node, i.nonce) in counted:
@@ -129,7 +130,12 @@ async def audit_async(
                     f"{counted[(i.node, i.nonce)]}"
                 )
             counted[(i.node, i.nonce)] = r
-        found, problems = await _check_snapshots(exchange, r, commit, by_round[r], used)
+        collected = keep is not None and not gc.kept(
+            manifest.algorithm, max(c for c in commits if c % K == r % K), r, keep=keep
+        )
+        found, problems = await _check_snapshots(
+            exchange, r, commit, by_round[r], used, collected=collected
+        )
         snapshots += found
         violations += problems
         if backend is not None:
@@ -250,11 +256,23 @@ async def _report_other_manifests(exchange: Exchange) -> None:
 
 
 async def _check_snapshots(
-    exchange: Exchange, r: int, commit: Commit, present: dict[str, int], used: set[str]
+    exchange: Exchange,
+    r: int,
+    commit: Commit,
+    present: dict[str, int],
+    used: set[str],
+    *,
+    collected: bool = False,
 ) -> tuple[int, list[str]]:
     """Each included snapshot still present, found as every reader finds it (``core.slots``:
     at the first of its node's snapshot keys that verifies, the others reported) and checked
-    against what the commit lists; the keys it was found at go into ``used``."""
+    against what the commit lists; the keys it was found at go into ``used``.
+
+    In a round the collection rule has collected (``collected``), a snapshot of another
+    process of the node than the one included is not the included one changed: collection
+    deleted that, and a process that had not yet seen the commit published this one at the
+    freed key afterwards (a late snapshot, never read by any closer: the round is committed).
+    It is reported, not a violation; ``gradientmail gc`` deletes it."""
     found, problems = 0, []
     for i in commit.included:
         first = keys.snapshot(r, i.node)
@@ -271,6 +289,9 @@ async def _check_snapshots(
                     exchange.reject(key, problem)
                     refused.append(f"{key}: {problem}")
                 continue
+            if collected and record.nonce != i.nonce:
+                exchange.reject(key, f"a late snapshot, written after round {r} was collected")
+                break
             used.add(key)
             found += 1
             if (record.nonce, record.digest, record.samples, record.steps) != (

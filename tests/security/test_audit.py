@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import attrs
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -111,3 +112,37 @@ def test_an_included_snapshot_that_does_not_verify_is_still_a_violation(
     with pytest.raises(AuditError, match=f"round {rounds[0]}: included snapshot unreadable") as e:
         audit(store, keyring=KEYRING)
     assert any(key in v and "bad signature" in v for v in e.value.violations)
+
+
+def test_a_late_snapshot_at_a_collected_rounds_freed_key_is_reported_not_a_violation(
+    signed: tuple[MemoryMailbox, list[int]],
+) -> None:
+    """Collection deletes a round's snapshots; a process that had not seen the commit yet may
+    then publish to the round at the freed key. In a round the rule collects, a snapshot of
+    another process there is that late one (reported); the included process's own snapshot
+    changed is still a violation, and so is anything in a round the rule keeps."""
+    first = signed[1][0]
+
+    def replaced(**changes: object) -> tuple[MemoryMailbox, str]:
+        store = copy_of(signed[0])
+
+        async def overwrite() -> str:
+            key = (await store.list(keys.snapshots(first)))[0].key
+            blob = await store.get(key)
+            assert blob is not None
+            sealed = unseal(blob)
+            record = read_record(sealed.record, Snapshot, verifier=KEYRING)
+            late = attrs.evolve(record, **changes)
+            await store.put(key, seal(to_bytes(late, KEYRING), sealed.payload))
+            return key
+
+        return store, asyncio.run(overwrite())
+
+    store, key = replaced(nonce="f" * 16)
+    report = audit(store, keyring=KEYRING, keep=1)
+    assert (key, f"a late snapshot, written after round {first} was collected") in report.rejected
+    with pytest.raises(AuditError, match=f"round {first}: {key} differs from what the commit"):
+        audit(store, keyring=KEYRING, keep=None)  # nothing collected: it cannot be late
+    store, key = replaced(samples=7)
+    with pytest.raises(AuditError, match=f"round {first}: {key} differs from what the commit"):
+        audit(store, keyring=KEYRING, keep=1)
