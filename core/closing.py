@@ -998,10 +998,15 @@ def _based(state: RoundState, closing: Closing, ctx: Context) -> tuple[RoundStat
     return _load(state, closing, ctx)
 
 
-def _load(state: RoundState, closing: Closing, ctx: Context) -> tuple[RoundState, list[Effect]]:
+def _load(
+    state: RoundState, closing: Closing, ctx: Context, *, base: Commit | None = None
+) -> tuple[RoundState, list[Effect]]:
+    """Load the outer state from ``base``: the fragment's previous commit (given when just
+    read, else the one this node knows), or the initial parameters for its first round."""
     r = state.round
     previous = previous_round(ctx.algorithm, r)
-    base = ctx.commits.get(previous) if previous >= 0 else None
+    if base is None and previous >= 0:
+        base = ctx.commits[previous]
     load = ReadOuterState(round=r, fragment=r % ctx.algorithm.fragments, base=base)
     return _set(state, closing, phase="load"), [load]
 
@@ -1014,7 +1019,7 @@ def _base_read(
         reason = result.rejected or f"round {r}'s base round {result.round} has no commit"
         key = keys.commit(result.round) if result.rejected else keys.round_prefix(r)
         return _failed(state, closing, key, reason)
-    return _load(state, closing, ctx)  # the syncer learned the commit from this result
+    return _load(state, closing, ctx, base=result.commit)  # the commit just read
 
 
 def _loaded(

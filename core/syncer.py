@@ -57,8 +57,9 @@ from gradientmail.core.signing import Keyring
 __all__ = ["COMMIT_WINDOW", "Settings", "SyncerState", "step"]
 
 COMMIT_WINDOW = 64
-"""Rounds of commits a syncer remembers behind the newest it knows (it consults only each
-fragment's previous commit)."""
+"""Rounds of commits a syncer remembers behind the newest it knows *of the same fragment* (it
+consults only each fragment's previous commit; one fragment may run far ahead of another whose
+round is stuck, and that round's base must not be forgotten)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -252,8 +253,12 @@ def _learn(state: SyncerState, commit: Commit, settings: Settings) -> SyncerStat
     K = settings.manifest.algorithm.fragments
     known = dict(state.commits)
     known[commit.round] = commit
-    newest = max(known)
-    commits = tuple(sorted((r, c) for r, c in known.items() if r >= newest - COMMIT_WINDOW))
+    newest: dict[int, int] = {}
+    for r in known:
+        newest[r % K] = max(newest.get(r % K, r), r)
+    commits = tuple(
+        sorted((r, c) for r, c in known.items() if r >= newest[r % K] - COMMIT_WINDOW)
+    )
     rounds = tuple(
         attrs.evolve(s, committed=True)
         if s.round % K == commit.round % K and s.round <= commit.round

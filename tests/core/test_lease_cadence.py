@@ -18,10 +18,11 @@ from gradientmail.core.effects import (
     LeasesListed,
     ListLeases,
     Result,
+    Seen,
     Watch,
 )
 from gradientmail.core.fragments import partition
-from gradientmail.core.records import Lease, Manifest, PayloadRef
+from gradientmail.core.records import Commit, Included, Lease, Manifest, PayloadRef
 from gradientmail.core.tensors import ParameterSpec, Schema
 
 NONCE = "0123456789abcdef"
@@ -139,3 +140,54 @@ def test_a_round_waits_for_a_close_of_a_later_round_in_flight() -> None:
     state, effects, reason = syncer.step([], state, now=2.0, settings=SETTINGS)
     assert not any(isinstance(e, CreateClaim) for e in effects), effects
     assert "waits for this node's other close" in reason
+
+
+def test_a_fragment_far_behind_another_keeps_its_newest_commit() -> None:
+    """The syncer remembers commits ``COMMIT_WINDOW`` rounds behind the newest *of the same
+    fragment*: one fragment may run far ahead while another's round is stuck, and when that
+    round commits, the commit is the base of the fragment's next close (the 64-node swarm's
+    seed 39 stepped from the initial parameters when the window was run-wide)."""
+    two = attrs.evolve(
+        MANIFEST,
+        schema=Schema.of([ParameterSpec(name=n, dtype="F32", shape=(4,)) for n in "vw"]),
+        algorithm=DiLoCo(inner_steps=10, fragments=2),
+        fragments=partition(
+            Schema.of([ParameterSpec(name=n, dtype="F32", shape=(4,)) for n in "vw"]), 2
+        ),
+        init=tuple(PayloadRef(key=keys.init(k, NONCE), digest="cd" * 32, size=16) for k in (0, 1)),
+    )
+    settings = attrs.evolve(SETTINGS, manifest=two)
+
+    def commit(r: int) -> Commit:
+        base = r - 2 if r >= 2 else -1
+        return Commit(
+            round=r,
+            fragment=r % 2,
+            base_round=base,
+            closer="node-b",
+            attempt=0,
+            nonce=NONCE,
+            included=(
+                Included(
+                    node="node-b",
+                    nonce=NONCE,
+                    samples=1,
+                    steps=10,
+                    base_round=base,
+                    digest="cd" * 32,
+                ),
+            ),
+            params=PayloadRef(key=keys.params(r, NONCE), digest="cd" * 32, size=16),
+            state=PayloadRef(key=keys.state(r, NONCE), digest="cd" * 32, size=16),
+        )
+
+    ahead = 2 * syncer.COMMIT_WINDOW + 1  # fragment 1's newest, far past fragment 0's
+    state, _, _ = syncer.step(
+        [Seen(commit=commit(ahead))], syncer.SyncerState(), now=0.0, settings=settings
+    )
+    state, _, _ = syncer.step([Seen(commit=commit(0))], state, now=1.0, settings=settings)
+    assert state.commit(0) == commit(0) and state.commit(ahead) == commit(ahead)
+    # Each fragment forgets only what lies COMMIT_WINDOW behind its own newest commit.
+    old = ahead - syncer.COMMIT_WINDOW - 2
+    state, _, _ = syncer.step([Seen(commit=commit(old))], state, now=2.0, settings=settings)
+    assert state.commit(old) is None and state.commit(0) is not None
