@@ -145,6 +145,8 @@ class MonotonicClock:
         return ThreadBell()
 
     async def gather(self, *coroutines: Coroutine[Any, Any, T]) -> list[T]:
+        if len(coroutines) <= 1:  # nothing to run beside: no task to make
+            return [await c for c in coroutines]
         return raise_first(await asyncio.gather(*coroutines, return_exceptions=True))
 
 

@@ -92,8 +92,8 @@ class _Gather:
 
 
 async def _gather(coroutines: tuple[Coroutine[Any, Any, T], ...]) -> list[T]:
-    if not coroutines:
-        return []
+    if len(coroutines) <= 1:  # nothing to run beside: no task to spawn
+        return [await c for c in coroutines]
     return await _Gather(coroutines)
 
 
