@@ -256,9 +256,7 @@ def _learn(state: SyncerState, commit: Commit, settings: Settings) -> SyncerStat
     newest: dict[int, int] = {}
     for r in known:
         newest[r % K] = max(newest.get(r % K, r), r)
-    commits = tuple(
-        sorted((r, c) for r, c in known.items() if r >= newest[r % K] - COMMIT_WINDOW)
-    )
+    commits = tuple(sorted((r, c) for r, c in known.items() if r >= newest[r % K] - COMMIT_WINDOW))
     rounds = tuple(
         attrs.evolve(s, committed=True)
         if s.round % K == commit.round % K and s.round <= commit.round
