@@ -108,31 +108,13 @@ async def drive(
     on other threads); effects of the types in ``aside`` are carried out beside the loop
     (``latest``: those a newer one replaces while queued). Raises what a ``Fail`` effect
     carries, or what an aside effect raised."""
-    if not aside:
-        return await _drive(name, rule, state, execute, clock, inbox, settings, keep, None)
-    beside = _Aside(execute, inbox, clock.bell(), latest)
-    run = _drive(name, rule, state, execute, clock, inbox, settings, keep, (beside, aside))
-    final, _ = await clock.gather(run, beside.run())
-    beside.check()  # an effect queued before the loop ended may have failed after it
-    return cast(S, final)
+    beside = _Aside(execute, inbox, clock.bell(), latest) if aside else None
 
-
-async def _drive(
-    name: str,
-    rule: Rule[S],
-    state: S,
-    execute: Execute,
-    clock: Clock,
-    inbox: Inbox,
-    settings: Any,
-    keep: Callable[[S], None] | None,
-    aside: tuple[_Aside, frozenset[type]] | None,
-) -> S:
-    results: list[Result] = []
-    try:
+    async def loop(state: S) -> S:
+        results: list[Result] = []
         while True:
-            if aside is not None:
-                aside[0].check()
+            if beside is not None:
+                beside.check()
             view: Sequence[Result] = [*inbox.take(), *results]
             state, effects, reason = rule(view, state, now=clock.now(), settings=settings)
             if keep is not None:
@@ -146,17 +128,27 @@ async def _drive(
                     return state
                 elif isinstance(effect, Fail):
                     raise effect.error
-                elif aside is not None and type(effect) in aside[1]:
-                    aside[0].add(effect)
+                elif beside is not None and type(effect) in aside:
+                    beside.add(effect)
                 else:
                     result = await execute(effect)
                     if result is not None:
                         results.append(result)
             if not results:
                 await inbox.bell.wait(None if until == math.inf else until - clock.now())
-    finally:
-        if aside is not None:
-            aside[0].close()
+
+    if beside is None:
+        return await loop(state)
+
+    async def beside_loop(state: S) -> S:
+        try:
+            return await loop(state)
+        finally:
+            beside.close()
+
+    final, _ = await clock.gather(beside_loop(state), beside.run())
+    beside.check()  # an effect queued before the loop ended may have failed after it
+    return cast(S, final)
 
 
 class Executor:
