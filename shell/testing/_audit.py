@@ -117,11 +117,11 @@ async def audit_async(
     by_round, foreign = await _list_rounds(mailbox)
     commits = await _read_commits(exchange, by_round, violations)
     violations += chain.links(manifest.algorithm, list(commits.values()), commits.__contains__)
-    violations += _kept(manifest, commits, by_round, keep)
+    collected = _collected(manifest, commits, keep)
+    violations += _kept(commits, by_round, collected)
     snapshots = recomputed = 0
     counted: dict[tuple[str, str], int] = {}
     used: set[str] = set()  # the snapshot key each commit's included snapshot was found at
-    K = manifest.algorithm.fragments
     for r, commit in commits.items():
         for i in commit.included:
             if (i.node, i.nonce) in counted:
@@ -130,11 +130,8 @@ async def audit_async(
                     f"{counted[(i.node, i.nonce)]}"
                 )
             counted[(i.node, i.nonce)] = r
-        collected = keep is not None and not gc.kept(
-            manifest.algorithm, max(c for c in commits if c % K == r % K), r, keep=keep
-        )
         found, problems = await _check_snapshots(
-            exchange, r, commit, by_round[r], used, collected=collected
+            exchange, r, commit, by_round[r], used, collected=r in collected
         )
         snapshots += found
         violations += problems
@@ -219,21 +216,27 @@ async def _read_commits(
     return commits
 
 
-def _kept(
-    manifest: Manifest,
-    commits: dict[int, Commit],
-    by_round: dict[int, dict[str, int]],
-    keep: int | None,
-) -> list[str]:
-    """The collection rule's side (Decision 7): every payload of a commit the rule still keeps
-    (``core.gc.kept``: within ``keep`` rounds of its fragment's newest commit) is there."""
+def _collected(manifest: Manifest, commits: dict[int, Commit], keep: int | None) -> set[int]:
+    """The committed rounds whose payloads and snapshots the collection rule (Decision 7) has
+    collected: older than ``keep`` rounds of its fragment's newest commit (``core.gc.kept``);
+    none when nothing was collected (``keep`` None)."""
+    if keep is None:
+        return set()
     K = manifest.algorithm.fragments
     newest: dict[int, int] = {}
     for r in commits:
         newest[r % K] = max(newest.get(r % K, -1), r)
+    return {r for r in commits if not gc.kept(manifest.algorithm, newest[r % K], r, keep=keep)}
+
+
+def _kept(
+    commits: dict[int, Commit], by_round: dict[int, dict[str, int]], collected: set[int]
+) -> list[str]:
+    """The collection rule's side: every payload of a commit the rule still keeps (not in
+    ``collected``) is there."""
     problems = []
     for r, commit in sorted(commits.items()):
-        if keep is not None and not gc.kept(manifest.algorithm, newest[r % K], r, keep=keep):
+        if r in collected:
             continue
         for ref in (commit.params, commit.state):
             if ref.key not in by_round.get(r, {}):
