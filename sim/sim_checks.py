@@ -72,8 +72,10 @@ class Incarnation:
     merged: dict[int, int] = attrs.Factory(dict)
     snapshots: dict[int, Snapshot] = attrs.Factory(dict)
     publishing: dict[int, float] = attrs.Factory(dict)
-    lease_seen: dict[str, tuple[list[float], list[str]]] = attrs.Factory(dict)
-    # the highest counter of each process (nonce) among the lease records in lease_seen
+    # per node: when each change of its lease was first listed, the version listed last, and
+    # the highest counter of each process (nonce) among the lease records listed
+    lease_seen: dict[str, list[float]] = attrs.Factory(dict)
+    lease_last: dict[str, str] = attrs.Factory(dict)
     lease_highest: dict[str, dict[str, int]] = attrs.Factory(dict)
     claim_started: dict[str, float] = attrs.Factory(dict)
     join_floor: dict[int, int] = attrs.Factory(dict)
@@ -137,8 +139,7 @@ class Checker:
         renewal is a record ``inc`` has not seen before with a later counter of its process, or
         of a process not seen before: a replayed record renews nothing (``core.leases``)."""
         for node, version in versions.items():
-            times, seen = inc.lease_seen.setdefault(node, ([], []))
-            if seen and seen[-1] == version:
+            if inc.lease_last.get(node) == version:
                 continue
             nonce, _, rest = version.partition(".")
             counter = rest.partition(".")[0]
@@ -146,8 +147,8 @@ class Checker:
             highest = inc.lease_highest.setdefault(node, {})
             if record and highest.get(nonce, -1) >= int(counter):
                 continue  # an older (or the same) record of a process it has seen
-            times.append(self.clock.time)
-            seen.append(version)
+            inc.lease_seen.setdefault(node, []).append(self.clock.time)
+            inc.lease_last[node] = version
             if record:
                 highest[nonce] = int(counter)
 
@@ -286,7 +287,7 @@ class Checker:
         # The expiry path: the claimer's own lease listings up to its decision must have shown
         # the claimant's lease unchanged for lease_timeout (what a stale LIST hid, it could not
         # know; what it saw, it must not forget).
-        times, _ = claimer.lease_seen.get(before.node, ([], []))
+        times = claimer.lease_seen.get(before.node, [])
         i = bisect.bisect_right(times, decided)
         if i == 0:
             return  # never listed: unknown to the claimer, hence expired
@@ -330,7 +331,7 @@ class Checker:
     def lease_expired(self, observer: Incarnation, node: str) -> None:
         """Decision 3: ``observer`` may call ``node`` expired only once its own listings have
         shown that lease unchanged for lease_timeout (on its clock)."""
-        times, _ = observer.lease_seen.get(node, ([], []))
+        times = observer.lease_seen.get(node, [])
         if not times:
             return
         seen_for = (self.clock.time - times[-1]) * observer.clock.rate
