@@ -147,13 +147,12 @@ def test_a_fragment_far_behind_another_keeps_its_newest_commit() -> None:
     fragment*: one fragment may run far ahead while another's round is stuck, and when that
     round commits, the commit is the base of the fragment's next close (the 64-node swarm's
     seed 39 stepped from the initial parameters when the window was run-wide)."""
+    schema = Schema.of([ParameterSpec(name=n, dtype="F32", shape=(4,)) for n in "vw"])
     two = attrs.evolve(
         MANIFEST,
-        schema=Schema.of([ParameterSpec(name=n, dtype="F32", shape=(4,)) for n in "vw"]),
+        schema=schema,
         algorithm=DiLoCo(inner_steps=10, fragments=2),
-        fragments=partition(
-            Schema.of([ParameterSpec(name=n, dtype="F32", shape=(4,)) for n in "vw"]), 2
-        ),
+        fragments=partition(schema, 2),
         init=tuple(PayloadRef(key=keys.init(k, NONCE), digest="cd" * 32, size=16) for k in (0, 1)),
     )
     settings = attrs.evolve(SETTINGS, manifest=two)
