@@ -10,9 +10,9 @@ closes as soon as everyone is in; a straggler costs at most ``grace``; a newcome
 for until it has reported once; and no cycle of waiting nodes can stall the run, since the grace
 timer always runs out.
 
-Closer. Attempt ``a``'s candidates are the round's reporters ordered by a stable hash of ``r``
-and each node (``rank``) and turned by ``a``, live ones that have not left first, then live
-ones that have (a leaving node still closes its own rounds when nobody else can). A node's
+Closer. Attempt ``a``'s candidates are the round's live reporters ordered by a stable hash of
+``r`` and each node (``rank``) and turned by ``a``, whether or not they have left (a leaving
+node waits for its rounds anyway, and every reporter must compute the same order). A node's
 rank does not depend on who else reported, so each reporter predicts the closer from the nodes
 the round expects, and only that one and the next read the round's view at every poll
 (``attentive``; Decision 8); the others read it only once it has stayed open ``takeover``
@@ -212,19 +212,19 @@ def rank(r: int, node: str) -> int:
 def designated(
     reporters: Sequence[str], r: int, attempt: int, leases: Leases, *, now: float, timeout: float
 ) -> tuple[str, ...]:
-    """Attempt ``attempt``'s candidate closers of round ``r``, in order: the reporters by
-    ``rank`` (a node's place does not depend on who else reported, so a node can predict the
-    closer from the nodes the round expects: Decision 8), live ones that have not left first,
-    then live ones that have, each list turned by the attempt."""
+    """Attempt ``attempt``'s candidate closers of round ``r``, in order: the live reporters by
+    ``rank``, turned by the attempt. A node's place does not depend on who else reported, so
+    a node can predict the closer from the nodes the round expects (Decision 8); nor on
+    whether a reporter has left: a leaving node waits for the rounds it reported in anyway
+    (Decision 11), and observers learn of a leave at different LISTs, so an order that put
+    leaving nodes last had each node of a run that closed at once wait for another
+    (docs/decisions.md, "Closers: staggered fallbacks")."""
     ordered = _ordered(r, tuple(reporters))
     if not ordered:
         return ()
     live = leases.live(now=now, lease_timeout=timeout)
-    left = leases.left()
-    staying = [n for n in ordered if n in live and n not in left]
-    leaving = [n for n in ordered if n in live and n in left]
     # Attempt a is led by the a-th live node of the order (Decision 2).
-    return tuple(_rotate(staying, attempt) + _rotate(leaving, attempt))
+    return tuple(_rotate([n for n in ordered if n in live], attempt))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -155,15 +155,20 @@ def lease_cadence(state: SyncerState, settings: Settings) -> float:
 
     ``lease_every / 2`` while its view decides something: while the node waits to see the
     run's nodes before training (``Gather``, sent by ``wait_for_nodes``; until its first
-    snapshot) and while it is attentive to a round (``closing.attentive``: it may close or
-    take over, by the nodes it sees live). Otherwise never (``Settings.lease_idle`` sets a
+    snapshot), while it is attentive to a round (``closing.attentive``: it may close or
+    take over, by the nodes it sees live), and while it is leaving with rounds in flight (its
+    last rounds have no later round to correct a stale prediction: without a LIST, the last
+    node of a run that closed would leave its final rounds to nodes long gone, for
+    ``takeover`` seconds). Otherwise never (``Settings.lease_idle`` sets a
     cadence): the view then only predicts who closes a round, which the closer it predicts,
     the understudy and a takeover correct, and a node that becomes attentive lists at once
     when its last LIST is older than ``lease_every / 2``. Expiry is judged the same at any
     cadence (a version unchanged ``lease_timeout`` after it was first seen, at the
     observer's last LIST), only noticed later.
     """
-    if state.gathering or any(s.attentive for s in state.rounds):
+    if state.gathering or (state.keeper.leaving and state.rounds):
+        return settings.lease_every / 2
+    if any(s.attentive for s in state.rounds):
         return settings.lease_every / 2
     return math.inf if settings.lease_idle is None else settings.lease_idle
 

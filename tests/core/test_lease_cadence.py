@@ -1,6 +1,7 @@
 """How often a syncer LISTs ``leases/`` (``syncer.lease_cadence``, Decision 8): every
 ``lease_every / 2`` seconds while its view decides something (it waits to see the run's nodes,
-or it is attentive to a round), else never; and one close at a time, whichever round's."""
+it is attentive to a round, or it is leaving with rounds in flight), else never; and one close
+at a time, whichever round's."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from gradientmail.core.effects import (
     Gather,
     LeaseRead,
     LeasesListed,
+    Leave,
     ListLeases,
     Result,
     Seen,
@@ -112,6 +114,24 @@ def test_a_gathering_node_lists_every_half_renewal_until_it_publishes() -> None:
     state, listed = run(state, 50.5, 60.0, (), nodes)
     assert all(s.attentive for s in state.rounds)
     assert listed == [50.5, 55.5]
+
+
+def test_a_leaving_node_lists_every_half_renewal_until_its_rounds_are_done() -> None:
+    """A leaving node's last rounds have no later round to correct its view: the nodes it
+    predicts to close them may have left and gone. It lists while they are in flight, and
+    stops once nothing is left to watch."""
+    nodes = others(0, me_first=False)
+    state, listed = run(syncer.SyncerState(), 0.0, 1.0, (), nodes)
+    assert listed == [0.0]
+    state, listed = run(state, 1.5, 20.0, [Watch(round=0, ours=True)], nodes)
+    assert state.rounds and not any(s.attentive for s in state.rounds)
+    assert listed == []  # another node closes round 0: nothing to list for
+    state, listed = run(state, 20.5, 40.0, [Leave()], nodes)
+    assert state.keeper.leaving and state.rounds
+    assert listed == [20.5, 25.5, 30.5, 35.5]
+    assert syncer.lease_cadence(state, SETTINGS) == EVERY / 2
+    done = attrs.evolve(state, rounds=())
+    assert syncer.lease_cadence(done, SETTINGS) == math.inf
 
 
 def test_the_predicted_closer_lists_every_half_renewal() -> None:

@@ -220,11 +220,20 @@ def test_designated_orders_the_reporters_by_rank_turned_by_the_attempt(
         assert order == tuple(n for n in ordered if n != gone)
 
 
-def test_designated_skips_expired_nodes_and_puts_left_nodes_last() -> None:
-    ls = leases(["a", "c", "d"], expired=["b"], left=["a"])
+def test_designated_skips_expired_nodes_and_keeps_left_ones_in_rank_order() -> None:
+    """Observers learn of a leave at different LISTs, so whether a reporter has left must not
+    change the order: when it put leaving nodes last, nodes that closed at once each saw the
+    others still staying and themselves leaving, each waited for another, and every
+    ``close()`` waited out ``takeover`` (the simulator, 4 nodes closing together)."""
+    live = ["a", "c", "d"]
+    order = sorted(live, key=lambda n: rules.rank(7, n))
     for attempt in range(4):
-        got = rules.designated(["a", "b", "c", "d"], 7, attempt, ls, now=T0, timeout=TIMEOUT)
-        assert "b" not in got and got[-1] == "a" and set(got) == {"a", "c", "d"}
+        start = attempt % len(order)
+        expected = tuple(order[start:] + order[:start])
+        for left in ([], ["a"], ["c", "d"], live):
+            ls = leases(live, expired=["b"], left=left)
+            got = rules.designated(["a", "b", "c", "d"], 7, attempt, ls, now=T0, timeout=TIMEOUT)
+            assert got == expected, (left, got)
 
 
 def test_designated_ignores_reporters_with_no_lease_and_handles_no_reporters() -> None:

@@ -182,3 +182,30 @@ def test_replayed_leases_keep_no_dead_node_alive() -> None:
         if crashed:
             return  # a seed where a node died and stayed dead under the replays: shown
     raise AssertionError("no seed crashed a node")
+
+
+def test_nodes_that_close_together_do_not_wait_out_a_takeover() -> None:
+    """Four nodes, no fault, all calling ``close()`` within a few seconds: each close ends in
+    a few seconds. Found in session 19 (a 3-process bench's ``close()`` took the 60 s
+    ``lease_timeout``), two ways, both in these seeds: the closer order put leaving nodes last,
+    and each node, seeing itself leaving and the others not yet, left its final rounds to
+    another (seeds 1 and 5: every close took 20 s); and the last node to leave never listed the
+    leases again, so it left its last rounds to nodes already gone (seed 3: 22 s)."""
+    settings = {
+        "nodes": 4,
+        "rounds": 6,
+        "inner_steps": 8,
+        "fragments": 2,
+        "overlap_steps": 1,
+        "latency": "exponential",
+        "latency_mean": 0.05,
+        "lease_every": 2.0,
+        "lease_timeout": 20.0,
+    }
+    for seed in (1, 3, 5):
+        outcome = simulate(SimConfig(seed=seed, **settings))
+        assert outcome.violations == (), outcome.violations
+        began = {who: t for t, who, what in outcome.trace if what == "closing"}
+        took = {who: t - began[who] for t, who, what in outcome.trace if what == "closed"}
+        assert len(took) == 4, took
+        assert max(took.values()) < 10.0, (seed, took)  # takeover is 20 s
