@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 
 from sim.sim_config import SimConfig
 from sim.sim_world import Outcome, simulate
-from sim.simulate import replay_command, run_seed
+from sim.simulate import main, replay_command, run_seed, shrink
 from specs.bugs import BUGS
 
 # A small, fast cluster: 4 nodes, short leases, a round every 8 steps of 0.2 s.
@@ -74,13 +75,22 @@ def test_every_planted_bug_is_simulated() -> None:
 
 @pytest.mark.parametrize(("plant", "kind", "settings"), PLANTED, ids=[p[0] for p in PLANTED])
 def test_a_planted_bug_is_found_with_a_replayable_seed(
-    plant: str, kind: str, settings: dict[str, Any]
+    plant: str, kind: str, settings: dict[str, Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
     found = first_found(kind, range(6), plant=plant, **settings)
     assert found is not None, f"planted {plant} went unnoticed in 6 seeds"
     again = simulate(found.config, keep_trace=False)
     assert again.digest == found.digest and again.violations == found.violations
     assert f"--plant {plant}" in replay_command(found.config, {})
+    # Shrunk to at most 3 nodes (issue #20), and the bug is what fails there: the same run
+    # without the plant holds.
+    small, overrides = shrink(found, budget=60.0)
+    assert small.config.nodes <= 3, (plant, overrides)
+    assert small.violations[0].kind == kind
+    assert simulate(attrs.evolve(small.config, plant=None), keep_trace=False).violations == ()
+    replay = replay_command(small.config, overrides).split("python -m sim.simulate ")[1]
+    assert main(replay.split()) == 1, replay  # the one command replays the shrunk run
+    assert f"[{kind}]" in capsys.readouterr().out
 
 
 def test_without_a_plant_the_base_runs_are_clean() -> None:
