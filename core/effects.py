@@ -64,6 +64,7 @@ __all__ = [
     "Forget",
     "Gather",
     "HeadRead",
+    "Hurry",
     "InitWritten",
     "LeaseRead",
     "LeasesListed",
@@ -207,6 +208,14 @@ class Captured:
 
     round: int
     nonce: str
+
+
+@attrs.frozen(kw_only=True)
+class Hurry:
+    """Message to the learner loop: the training thread waits for the commit of ``round``
+    (``step`` held at the overlap bound, or ``close``): poll it more often until it comes."""
+
+    round: int
 
 
 @attrs.frozen(kw_only=True)
@@ -734,4 +743,5 @@ Result = (
     | Seen
     | Committed
     | Captured
+    | Hurry
 )

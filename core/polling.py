@@ -8,7 +8,10 @@ and the commit that does not count it makes the training thread rebase (``learne
 
 Commits (Decision 8). The next commit of each fragment is polled with one GET per poll
 interval while this node has a snapshot in that round, and once every ``IDLE_POLLS`` poll
-intervals otherwise (it can only be committed without this node: the node is late). A commit
+intervals otherwise (it can only be committed without this node: the node is late). While
+the training thread waits for a commit (``Hurry``: held at the overlap bound, or closing) it is
+polled at once and then ``HURRY_POLLS`` times per interval: the node's accelerators idle
+meanwhile, which costs far more than a few GETs. A commit
 this node's syncer wrote, or that a poll found, is taken at once, and a node that finds one in
 the store reads on to the next without waiting (catching up). A commit is used only when it
 is a link of its fragment's chain (``chain.continues``); its parameters are read and
@@ -39,6 +42,7 @@ from gradientmail.core.effects import (
     Effect,
     Fail,
     HeadRead,
+    Hurry,
     Missed,
     ParamsRead,
     PollCommit,
@@ -56,12 +60,16 @@ from gradientmail.core.errors import ProtocolError
 from gradientmail.core.records import Commit, Manifest
 from gradientmail.core.rules import RULES, Rules
 
-__all__ = ["IDLE_POLLS", "Fetch", "PollState", "Settings", "start", "step"]
+__all__ = ["HURRY_POLLS", "IDLE_POLLS", "Fetch", "PollState", "Settings", "start", "step"]
 
 IDLE_POLLS = 10
 """Poll intervals between GETs of a fragment's next commit while this node has no snapshot in
 that round: the commit can then exist only if the round closed without this node, which the
 node learns at the latest ``IDLE_POLLS`` polls later (and at its next snapshot's poll)."""
+
+HURRY_POLLS = 4
+"""GETs per poll interval of a commit the training thread waits for (``Hurry``): a commit that
+lands while the node is held is merged a quarter of an interval later at most, not a whole one."""
 
 
 @attrs.frozen(kw_only=True)
@@ -73,6 +81,7 @@ class Settings:
     poll_interval: float
     rules: Rules = RULES
     idle_polls: int = IDLE_POLLS  # poll intervals between GETs of a commit not expected yet
+    hurry_polls: int = HURRY_POLLS  # GETs per poll interval of a commit the training awaits
 
 
 @attrs.frozen(kw_only=True)
@@ -93,7 +102,8 @@ class PollState:
     """Per fragment: the next commit round expected, when to GET it next (node's clock), and
     the fetch under way; the commits this node's syncer handed over; the captures being
     uploaded, as ``(round, nonce)``; the rounds uploaded and not yet delivered
-    (``published``); whether the loop is stopping."""
+    (``published``); the rounds the training thread waits for (``hurried``, until delivered);
+    whether the loop is stopping."""
 
     next: tuple[int, ...]
     due: tuple[float, ...]
@@ -101,6 +111,7 @@ class PollState:
     known: tuple[tuple[int, Commit], ...] = ()
     uploading: tuple[tuple[int, str], ...] = ()
     published: tuple[int, ...] = ()
+    hurried: tuple[int, ...] = ()
     stopping: bool = False
 
 
@@ -156,10 +167,22 @@ def _take(
         return attrs.evolve(state, known=tuple(sorted(known.items()))), []
     if isinstance(item, Stop):
         return attrs.evolve(state, stopping=True), []
+    if isinstance(item, Hurry):
+        return _hurry(state, item.round, now), []
     if isinstance(item, CommitRead | HeadRead | ParamsRead):
         k = (item.fragment if not isinstance(item, CommitRead) else item.round) % len(state.next)
         return _fetched(state, k, item, now, settings)
     return state, []
+
+
+def _hurry(state: PollState, r: int, now: float) -> PollState:
+    """The training thread waits for round ``r``'s commit: poll it at once (a poll may be most
+    of an interval away), then ``hurry_polls`` times per interval until it is delivered."""
+    k = r % len(state.next)
+    if r < state.next[k] or r in state.hurried:
+        return state  # delivered already, or hurried already
+    state = attrs.evolve(state, hurried=tuple(sorted({*state.hurried, r})))
+    return _set(state, k, due=min(state.due[k], now))
 
 
 def _uploaded(
@@ -203,6 +226,8 @@ def _poll(
     K = len(state.next)
     expected = any(p >= r and p % K == k for p in state.published)
     interval = settings.poll_interval * (1 if expected else settings.idle_polls)
+    if any(h >= r and h % K == k for h in state.hurried):
+        interval = settings.poll_interval / settings.hurry_polls
     return _set(state, k, due=now + interval), [PollCommit(round=r)]
 
 
@@ -301,7 +326,8 @@ def _deliver(
     K = settings.manifest.algorithm.fragments
     known = tuple((r, c) for r, c in state.known if r > commit.round or r % K != k)
     published = tuple(p for p in state.published if p > commit.round or p % K != k)
-    state = attrs.evolve(state, known=known, published=published)
+    hurried = tuple(h for h in state.hurried if h > commit.round or h % K != k)
+    state = attrs.evolve(state, known=known, published=published, hurried=hurried)
     state = _set(state, k, fetches=None, next=commit.round + K)
     if fetch.from_store:
         state = _set(state, k, due=-math.inf)  # found in the store: a node catching up reads on

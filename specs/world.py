@@ -35,7 +35,7 @@ budgets; clock drift within ``drift``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -277,7 +277,23 @@ def _train(world: World, i: int, samples: int) -> World:
     assert node.trainer is not None
     trainer, effects = learner.step(node.trainer, world.config.algorithm, samples)
     node = node._replace(trainer=trainer, produced=node.produced + samples)
-    return _publish(world.with_node(i, node), i, effects)
+    return _hurry(_publish(world.with_node(i, node), i, effects), i)
+
+
+def _hurry(world: World, i: int, rounds: Sequence[int] | None = None) -> World:
+    """What ``Node.step`` (held at the overlap bound) and ``Node.close`` tell the learner loop:
+    the commits the training side waits for (``Hurry``; by default the one ``step`` is held
+    on, if any)."""
+    node = world.node(i)
+    assert node.trainer is not None and node.learner is not None
+    if rounds is None:
+        waiting = learner.waiting_on(node.trainer, world.config.algorithm)
+        rounds = () if waiting is None else (waiting.round,)
+    if not rounds:
+        return world
+    messages = tuple(fx.Hurry(round=r) for r in rounds)
+    loop = node.learner._replace(inbox=(*node.learner.inbox, *messages))
+    return world.with_node(i, node._replace(learner=loop))
 
 
 def _merge_all(world: World, i: int) -> World:
@@ -317,8 +333,13 @@ def _merge(world: World, i: int) -> World:
                 "merges-forward",
                 f"n{i} rebased its snapshot of round {effect.missed}, which a commit counted",
             )
+    held = learner.waiting_on(node.trainer, config.algorithm)
     node = node._replace(trainer=trainer, ready=rest)
-    return _publish(world.with_node(i, node), i, effects)
+    world = _publish(world.with_node(i, node), i, effects)
+    waiting = learner.waiting_on(trainer, config.algorithm)
+    if held is not None and waiting is not None and waiting.round != held.round:
+        return _hurry(world, i)  # still held, on another round
+    return world
 
 
 def _counted(world: World, fragment: Any, me: str) -> bool:
@@ -366,7 +387,9 @@ def _leave(world: World, i: int) -> World:
     trainer, effects = learner.close(node.trainer, world.config.algorithm)
     syncer_loop = node.syncer._replace(inbox=(*node.syncer.inbox, fx.Leave()))
     node = node._replace(trainer=trainer, leaving=True, syncer=syncer_loop)
-    return _publish(world.with_node(i, node), i, effects)
+    world = _publish(world.with_node(i, node), i, effects)
+    outstanding = [f.outstanding for f in trainer.fragments if f.outstanding is not None]
+    return _hurry(world, i, outstanding)
 
 
 def _finish(world: World, i: int) -> World:

@@ -25,7 +25,7 @@ from gradientmail.adapters.base import Tensors
 from gradientmail.core import gc, join, keys, leases, polling, syncer
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.codecs import Compression
-from gradientmail.core.effects import Gather, Leave, Stop
+from gradientmail.core.effects import Gather, Hurry, Leave, Stop
 from gradientmail.core.errors import ProtocolError
 from gradientmail.core.join import JoinState
 from gradientmail.core.robust import DEFAULT_OUTLIER_FACTOR
@@ -272,14 +272,19 @@ class Node:
 
     async def step(self, samples: int) -> None:
         """Count one training step of ``samples`` tokens; never does I/O. Blocks only while
-        the overlap bound holds (``learner.waiting_on``), until a commit arrives."""
-        assert self.trainer is not None
+        the overlap bound holds (``learner.waiting_on``), until a commit arrives; meanwhile
+        the learner loop polls that commit more often (``Hurry``)."""
+        assert self.trainer is not None and self.learner is not None
         self.trainer.advance(samples)
         blocked = self.trainer.blocked()
         if blocked is None:
             return
-        start = self.clock.now()
-        while self.trainer.blocked() is not None:
+        self.learner.inbox.put(Hurry(round=blocked.round))
+        start, hurried = self.clock.now(), blocked.round
+        while (waiting := self.trainer.blocked()) is not None:
+            if waiting.round != hurried:  # one commit came, and the bound holds on another
+                hurried = waiting.round
+                self.learner.inbox.put(Hurry(round=hurried))
             await self.handoff.bell.wait(self._poll_interval)
         seconds = self.clock.now() - start
         stalled = Stalled(
@@ -323,9 +328,11 @@ class Node:
         """Publish what was trained since the last rounds, release the lease at once, wait for
         those rounds to commit and merge them (Decision 11), then stop both loops. Raises
         ``ProtocolError`` when they do not commit within ``timeout`` seconds."""
-        assert self.trainer is not None
+        assert self.trainer is not None and self.learner is not None
         try:
             self.begin_close()
+            for r in self.trainer.outstanding():
+                self.learner.inbox.put(Hurry(round=r))
             deadline = self.clock.now() + timeout
             while not self.trainer.done:
                 if self.clock.now() > deadline:
