@@ -166,9 +166,8 @@ def lease_cadence(state: SyncerState, settings: Settings) -> float:
     cadence (a version unchanged ``lease_timeout`` after it was first seen, at the
     observer's last LIST), only noticed later.
     """
-    if state.gathering or (state.keeper.leaving and state.rounds):
-        return settings.lease_every / 2
-    if any(s.attentive for s in state.rounds):
+    leaving = state.keeper.leaving and bool(state.rounds)
+    if state.gathering or leaving or any(s.attentive for s in state.rounds):
         return settings.lease_every / 2
     return math.inf if settings.lease_idle is None else settings.lease_idle
 

@@ -279,10 +279,10 @@ class Node:
         blocked = self.trainer.blocked()
         if blocked is None:
             return
-        self.learner.inbox.put(Hurry(round=blocked.round))
-        start, hurried = self.clock.now(), blocked.round
+        start = self.clock.now()
+        hurried: int | None = None
         while (waiting := self.trainer.blocked()) is not None:
-            if waiting.round != hurried:  # one commit came, and the bound holds on another
+            if waiting.round != hurried:  # at first, and when the bound holds on another round
                 hurried = waiting.round
                 self.learner.inbox.put(Hurry(round=hurried))
             await self.handoff.bell.wait(self._poll_interval)
