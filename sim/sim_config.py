@@ -19,7 +19,7 @@ import attrs
 from gradientmail.core.algorithm import DiLoCo
 from specs.bugs import BUGS
 
-__all__ = ["FAULT_RATES", "LatencyKind", "ModelKind", "Plant", "SimConfig", "swarm"]
+__all__ = ["FAULT_RATES", "LatencyKind", "ModelKind", "Plant", "SimConfig", "setting_text", "swarm"]
 
 LatencyKind = Literal["none", "uniform", "exponential", "pareto"]
 ModelKind = Literal["float", "torch"]
@@ -104,6 +104,10 @@ class SimConfig:
     safety: float = 0.6
     # A writer without the secret that puts back every lease as it was one look earlier.
     replay_leases: bool = False
+    # Delta debugging (``sim.simulate.shrink``): only the faults with these ids fire, whatever
+    # was drawn (``Outcome.faults`` lists the ids that fired: a hash of the incarnation, the
+    # fault and its place, and its count there); None: every fault drawn fires.
+    faults_kept: tuple[str, ...] | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.nodes < 1 or self.rounds < 1:
@@ -162,7 +166,7 @@ class SimConfig:
                 continue
             value = getattr(self, field.name)
             if value != getattr(default, field.name) or field.name in ("inner_steps",):
-                parts.append(f"{field.name}={value}")
+                parts.append(f"{field.name}={setting_text(value)}")
         return " ".join(parts)
 
     def with_overrides(self, overrides: Mapping[str, str]) -> SimConfig:
@@ -176,9 +180,24 @@ class SimConfig:
         return attrs.evolve(self, **changes)
 
 
+def setting_text(value: object) -> str:
+    """A setting as ``--set`` parses it back: a tuple of fault ids comma-separated."""
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
 def _parse(name: str, text: str, current: object) -> object:
     if text in ("None", "none") and name not in ("latency",):
         return None
+    if name == "faults_kept":
+        ids = sorted({part.strip() for part in text.split(",") if part.strip()})
+        bad = [i for i in ids if len(i) != 8 or any(ch not in "0123456789abcdef" for ch in i)]
+        if bad:
+            raise ValueError(
+                f"--set faults_kept: expected comma-separated 8-digit hex fault ids, got {bad}"
+            )
+        return tuple(ids)
     if isinstance(current, bool) or name == "naive":
         if text.lower() not in ("true", "false", "1", "0"):
             raise ValueError(f"--set {name}: expected true or false, got {text!r}")

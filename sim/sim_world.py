@@ -12,6 +12,7 @@ published to must commit within ``bound`` seconds, and every node must finish it
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import time
@@ -60,6 +61,8 @@ class Outcome:
     cpu: float
     trace: tuple[tuple[float, str, str], ...]
     notes: dict[str, int]
+    faults: tuple[str, ...] = ()
+    """The faults that fired, in order, by their ids (``SimConfig.faults_kept``)."""
 
 
 @attrs.define(eq=False)
@@ -115,6 +118,8 @@ class World:
         self.notes: dict[str, int] = {}
         self.healed = False
         self.heal_at = c.safety * c.planned
+        self._fault_seen: dict[str, int] = {}
+        self.faults_fired: list[str] = []
         self.bound = self._bound()
         self.world = self.scheduler.process("world")
         self.slots = [self._slot(i) for i in range(c.nodes)]
@@ -164,6 +169,7 @@ class World:
             conflict=c.conflict,
             stale_list=c.stale_list,
             stale_window=max(c.poll_interval, 1.0),
+            decide=lambda fault, op, key, drawn: self._decide(inc, f"{fault} {op} {key}", drawn),
         )
         inc.mailbox = SimMailbox(
             owner=inc,
@@ -214,6 +220,7 @@ class World:
             cpu=cpu,
             trace=tuple((t, who, str(what)) for t, who, what in self.trace),
             notes=dict(self.notes),
+            faults=tuple(self.faults_fired),
         )
 
     def _limit(self) -> float:
@@ -378,13 +385,35 @@ class World:
 
     def _crash_slot(self, slot: Slot) -> None:
         inc = slot.current
-        if not self.healed and inc is not None and inc.alive:
+        alive = not self.healed and inc is not None and inc.alive
+        if alive and self._decide(inc, f"crash at {self.clock.time!r}", True):
             self._crash(inc, "at a random time")
 
     def _pause_slot(self, slot: Slot) -> None:
         inc = slot.current
-        if not self.healed and inc is not None and inc.alive:
+        alive = not self.healed and inc is not None and inc.alive
+        if alive and self._decide(inc, f"pause at {self.clock.time!r}", True):
             self._pause(inc, "at a random time")
+
+    def _decide(self, inc: Incarnation, what: str, drawn: bool) -> bool:
+        """Whether the fault ``what`` (its kind and place: ``"crash before put <key>"``) takes
+        effect at this, its n-th chance in ``inc``: as drawn, or with ``faults_kept`` set, if
+        its id is kept. The id is a hash of the incarnation, ``what`` and n, so it names the
+        same fault in a rerun that fires other faults."""
+        text = f"{inc.label} {what}"
+        n = self._fault_seen.get(text, 0)
+        self._fault_seen[text] = n + 1
+        kept = self.config.faults_kept
+        if kept is None and not drawn:
+            return False
+        text = f"{text} {n}"
+        fid = hashlib.blake2s(text.encode(), digest_size=4).hexdigest()
+        if kept is not None and fid not in kept:
+            return False
+        self.faults_fired.append(fid)
+        if self.keep_trace:
+            self.trace.append((self.clock.time, inc.label, f"fault {fid}: {what} ({n})"))
+        return True
 
     def _pause(self, inc: Incarnation, why: str) -> None:
         c = self.config
@@ -421,15 +450,25 @@ class World:
             return False
         c = self.config
         weight = 10.0 if any(f"/{w}" in key for w in _WEIGHTY) else 1.0
-        if c.crash_on_write > 0 and self.rng.random() < c.crash_on_write * weight:
-            if self.rng.random() < 0.5:
+        if c.crash_on_write > 0:
+            drawn = self.rng.random() < c.crash_on_write * weight
+            before = drawn and self.rng.random() < 0.5
+            crash_before = self._decide(inc, f"crash before {kind} {key}", before)
+            crash_after = self._decide(inc, f"crash after {kind} {key}", drawn and not before)
+            if crash_before:
                 self._crash(inc, f"before {kind} {key}")
-            inc.crash_after_write = True
-        if c.pause_on_write > 0 and self.rng.random() < c.pause_on_write * weight:
-            if self.rng.random() < 0.5:
+            if crash_before or crash_after:
+                inc.crash_after_write = True
+        if c.pause_on_write > 0:
+            drawn = self.rng.random() < c.pause_on_write * weight
+            before = drawn and self.rng.random() < 0.5
+            pause_before = self._decide(inc, f"pause before {kind} {key}", before)
+            pause_after = self._decide(inc, f"pause after {kind} {key}", drawn and not before)
+            if pause_before:
                 self._pause(inc, f"before {kind} {key}")
                 return True
-            inc.pause_after_write = True  # a stall right after a write: after a won claim
+            if pause_after:
+                inc.pause_after_write = True  # a stall right after a write: after a won claim
         return False
 
     def after_write(

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import attrs
 
-from sim.sim_config import FAULT_RATES, PLANTS, SimConfig, swarm
+from sim.sim_config import FAULT_RATES, PLANTS, SimConfig, setting_text, swarm
 from sim.sim_world import Outcome, simulate
 
 __all__ = ["Summary", "main", "replay_command", "run_seed", "shrink"]
@@ -133,14 +133,20 @@ def run_seed(
 
 
 def shrink(outcome: Outcome, *, budget: float = 60.0) -> tuple[Outcome, dict[str, str]]:
-    """The smallest run found (fewer nodes and rounds, faults switched off one at a time) that
-    still shows the first violation's kind, and the overrides that make it. Greedy: each pass
-    tries the candidates of ``_candidates`` in order, the largest cut first, and starts over
-    from the first that still fails, until none does or ``budget`` seconds are spent. A cut
-    in nodes is tried with the run's seed and then with up to ``RESEED`` others: with fewer
-    nodes the world draws its faults differently, so the seed that showed a violation among
-    4 nodes rarely shows it among 2, while another seed does (``overrides`` then names the
-    seed; the replay command carries every setting)."""
+    """The smallest run found that still shows the first violation's kind, and the overrides
+    that make it. Two stages within ``budget`` seconds together:
+
+    1. Settings, greedy: each pass tries the candidates of ``_candidates`` in order (fewer
+       nodes and rounds, each fault kind off, latency off), the largest cut first, and starts
+       over from the first that still fails, until none does. A cut in nodes is tried with the
+       run's seed and then with up to ``RESEED`` others: with fewer nodes the world draws its
+       faults differently, so the seed that showed a violation among 4 nodes rarely shows it
+       among 2, while another seed does (``overrides`` then names the seed).
+    2. Choices, by delta debugging (``ddmin_faults``): of the faults that fired in that run,
+       a subset that still fails and from which no single fault can be dropped (as far as the
+       budget allowed), kept with ``faults_kept``.
+
+    The replay command carries every setting, ``faults_kept`` included."""
     kind = outcome.violations[0].kind
     best: Outcome = outcome
     overrides: dict[str, str] = {}
@@ -166,7 +172,56 @@ def shrink(outcome: Outcome, *, budget: float = 60.0) -> tuple[Outcome, dict[str
                     break
             if improved:
                 break
+    if best.faults:
+        best = ddmin_faults(best, deadline=deadline)
+        if best.config.faults_kept is not None:
+            overrides["faults_kept"] = setting_text(best.config.faults_kept)
     return best, overrides
+
+
+def ddmin_faults(outcome: Outcome, *, deadline: float) -> Outcome:
+    """Delta debugging (Zeller and Hildebrandt's ddmin) of the faults that fired in
+    ``outcome``'s run: the run with the fewest found to keep (``SimConfig.faults_kept``) that
+    still shows the first violation's kind. Each test reruns the world firing only a subset,
+    first none, then halves, quarters, ... and their complements; a fault fires in a rerun
+    when its id (its incarnation, kind, request and count there) comes up again, drawn or not.
+    A kept fault the rerun never reaches does not fire, so each success continues from the
+    faults that did. Stops at ``deadline`` (``time.perf_counter``) with the smallest failing
+    run so far."""
+    kind = outcome.violations[0].kind
+    best = outcome
+
+    def fails(kept: Sequence[int]) -> bool:
+        nonlocal best
+        if time.perf_counter() >= deadline:
+            return False
+        result = simulate(attrs.evolve(best.config, faults_kept=tuple(sorted(kept))))
+        if result.violations and result.violations[0].kind == kind:
+            # Kept ids the rerun never reached change nothing: the same run keeps only those
+            # that fired.
+            fired = attrs.evolve(result.config, faults_kept=tuple(sorted(set(result.faults))))
+            best = attrs.evolve(result, config=fired)
+            return True
+        return False
+
+    if fails(()):
+        return best
+    n = 2
+    while len(best.faults) >= 2 and time.perf_counter() < deadline:
+        items = list(best.faults)
+        chunks = [items[i * len(items) // n : (i + 1) * len(items) // n] for i in range(n)]
+        if any(fails(chunk) for chunk in chunks):
+            n = 2
+            continue
+        if n > 2 and any(
+            fails([f for j, chunk in enumerate(chunks) if j != i for f in chunk]) for i in range(n)
+        ):
+            n = max(n - 1, 2)
+            continue
+        if n >= len(items):
+            break
+        n = min(2 * n, len(items))
+    return best
 
 
 RESEED = 24
@@ -206,7 +261,7 @@ def replay_command(config: SimConfig, overrides: dict[str, str]) -> str:
         if name in ("seed", "nodes", "rounds", "model", "naive", "plant"):
             continue
         if getattr(config, name) != getattr(base, name):
-            parts.append(f"--set {name}={getattr(config, name)}")
+            parts.append(f"--set {name}={setting_text(getattr(config, name))}")
     del overrides  # the config already carries them; kept for the caller's record
     return " ".join(parts)
 
@@ -239,6 +294,10 @@ def report(outcome: Outcome, *, shrink_budget: float) -> list[str]:
     small, overrides = shrink(outcome, budget=shrink_budget) if shrink_budget > 0 else (outcome, {})
     if overrides:
         lines.append(f"  shrunk with {overrides}: {small.violations[0]}")
+        lines.append(
+            f"  faults that fire in the shrunk run: {len(small.faults)} (the run found: "
+            f"{len(outcome.faults)})"
+        )
     lines.append(
         f"  trace of the {'shrunk ' if overrides else ''}run ({len(small.trace)} entries, "
         "those involving the violation's round and nodes):"

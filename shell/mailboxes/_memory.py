@@ -64,6 +64,14 @@ class Faults:
         stale_list: probability that a list omits each key written in the last
             ``stale_window`` seconds (so a newer key may show before an older one).
         stale_window: seconds of the clock during which a new key may be missing from lists.
+        decide: whether each possible fault takes effect, given whether it was drawn: called as
+            ``decide(fault, operation, key, drawn)`` for every fault kind with a probability
+            above 0 that the request could have (``fault`` is ``"fail_before"``,
+            ``"conflict"``, ``"fail_after"`` or, once per recent key a list could omit,
+            ``"stale_list"``; ``key`` is the request's key or the listed key). The draws are
+            made either way, so a hook that overrides some of them leaves the other random
+            choices as they were (the simulator's delta debugging fires a chosen subset of a
+            run's faults this way). None: every drawn fault takes effect.
     """
 
     seed: int = 0
@@ -73,6 +81,7 @@ class Faults:
     conflict: float = attrs.field(default=0.0, validator=_probability)
     stale_list: float = attrs.field(default=0.0, validator=_probability)
     stale_window: float = attrs.field(default=1.0, validator=attrs.validators.ge(0.0))
+    decide: Callable[[str, str, str, bool], bool] | None = attrs.field(default=None, eq=False)
 
 
 @attrs.define
@@ -209,7 +218,7 @@ class MemoryMailbox:
         with self._store.lock:
             for key in self._store.under(prefix, after):
                 entry = self._store.objects[key]
-                if self._hidden(entry, now):
+                if self._hidden(key, entry, now):
                     continue
                 infos.append(
                     ObjectInfo(
@@ -229,10 +238,12 @@ class MemoryMailbox:
     def __repr__(self) -> str:
         return f"MemoryMailbox({self.url!r})"
 
-    def _hidden(self, entry: _Entry, now: float) -> bool:
+    def _hidden(self, key: str, entry: _Entry, now: float) -> bool:
         """Whether a list leaves out this recent entry (called with the store's lock held)."""
-        recent = now - entry.written_at < self.faults.stale_window
-        return recent and self.faults.stale_list > 0 and self._chance(self.faults.stale_list)
+        faults = self.faults
+        if faults.stale_list <= 0 or now - entry.written_at >= faults.stale_window:
+            return False
+        return self._decided("stale_list", "list", key, self._chance(faults.stale_list))
 
     def _store_entry(self, key: str, data: bytes, *, replace: bool) -> bool:
         """Write ``key`` (called with the store's lock held); False if it exists and not replace."""
@@ -263,11 +274,12 @@ class MemoryMailbox:
         faults = self.faults
         with self._store.lock:
             delay = self._random.uniform(*faults.delay) if faults.delay[1] > 0 else 0.0
-            draw = _Draw(
+            drawn = _Draw(
                 fail_before=self._chance(faults.fail_before),
                 fail_after=kind in _WRITES and self._chance(faults.fail_after),
                 conflict=kind == "create" and self._chance(faults.conflict),
             )
+        draw = drawn if faults.decide is None else self._decide(kind, key, drawn)
         if delay > 0:
             await self._clock.sleep(delay)
         if draw.fail_before:
@@ -278,6 +290,28 @@ class MemoryMailbox:
     def _chance(self, probability: float) -> bool:
         # A zero probability draws nothing, so a handle without faults consumes no randomness.
         return probability > 0 and self._random.random() < probability
+
+    def _decide(self, kind: _Kind, key: str, drawn: _Draw) -> _Draw:
+        """``Faults.decide`` for each fault this request could have, in the order they act."""
+        faults = self.faults
+        fail_before = faults.fail_before > 0 and self._decided(
+            "fail_before", kind, key, drawn.fail_before
+        )
+        conflict = (
+            kind == "create"
+            and faults.conflict > 0
+            and self._decided("conflict", kind, key, drawn.conflict)
+        )
+        fail_after = (
+            kind in _WRITES
+            and faults.fail_after > 0
+            and self._decided("fail_after", kind, key, drawn.fail_after)
+        )
+        return _Draw(fail_before=fail_before, fail_after=fail_after, conflict=conflict)
+
+    def _decided(self, fault: str, kind: str, key: str, drawn: bool) -> bool:
+        decide = self.faults.decide
+        return drawn if decide is None else decide(fault, kind, key, drawn)
 
     def _fault(self, kind: str, key: str, message: str) -> TransientMailboxError:
         return TransientMailboxError(message, store=self.url, key=key, operation=kind)

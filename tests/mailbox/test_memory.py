@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
+import attrs
 import pytest
 
 from gradientmail.mailboxes._memory import Faults, MemoryMailbox
@@ -77,6 +78,46 @@ def test_another_seed_gives_other_faults() -> None:
         _outcomes(MemoryMailbox("memory://replay", faults=reseeded, clock=ManualClock()))
     )
     assert first != other
+
+
+def _decided(decide: Callable[[str, str, str, bool], bool]) -> list[str]:
+    faults = attrs.evolve(FLAKY, decide=decide)
+    mailbox = MemoryMailbox("memory://decide", faults=faults, clock=ManualClock())
+    return asyncio.run(_outcomes(mailbox))
+
+
+def test_decide_sees_every_possible_fault_and_can_keep_drop_or_force_each() -> None:
+    drawn_run = asyncio.run(
+        _outcomes(MemoryMailbox("memory://decide", faults=FLAKY, clock=ManualClock()))
+    )
+    calls: list[tuple[str, str, str, bool]] = []
+
+    def as_drawn(fault: str, operation: str, key: str, drawn: bool) -> bool:
+        calls.append((fault, operation, key, drawn))
+        return drawn
+
+    # Deciding as drawn is the run without a hook, and the hook was offered every fault kind.
+    assert _decided(as_drawn) == drawn_run
+    assert {c[0] for c in calls} == {"fail_before", "conflict", "fail_after", "stale_list"}
+    assert any(c[3] for c in calls) and not all(c[3] for c in calls)
+    # Dropping every fault: the same requests, none injected, every list complete.
+    quiet = _decided(lambda fault, operation, key, drawn: False)
+    assert not any("(injected)" in outcome for outcome in quiet)
+    # Forcing one fault that was not drawn (the first create of k/0 fails before it lands),
+    # none other: exactly that request fails.
+    first_create = next(
+        i for i, c in enumerate(calls) if c[:3] == ("fail_before", "create", "k/0") and not c[3]
+    )
+    seen = 0
+
+    def only_one(fault: str, operation: str, key: str, drawn: bool) -> bool:
+        nonlocal seen
+        seen += 1
+        return seen - 1 == first_create
+
+    forced = _decided(only_one)
+    failed = [i for i, outcome in enumerate(forced) if "(injected)" in outcome]
+    assert failed == [0] and "failed before taking effect" in forced[0], forced
 
 
 def test_fail_after_lands_the_write_and_still_raises() -> None:
