@@ -147,13 +147,33 @@ class World:
         reporter to wait ``takeover`` before it reads a round it left to the closer it predicts
         (Decision 8: when that closer and the next are gone), and for the other reporters to
         publish at all: a round is timed from its first snapshot, and the others may be held
-        at the overlap bound until the previous round's close, itself up to a hundred
-        requests' latency (a close under pareto latency took 35 s at a 0.3 s mean)."""
+        at the overlap bound until the rounds before it commit (``_requests``)."""
         c = self.config
         slot_time = c.slot_steps * c.step_time * math.exp(3 * c.speed_spread) * 1.25
         lease = c.lease_timeout + c.lease_every + 2 * c.poll_interval
-        closes = 2 * 100 * c.latency_mean
-        return 4 * lease + 4 * self.takeover + c.grace + 4 * slot_time + closes + 10
+        return 4 * lease + 4 * self.takeover + c.grace + 4 * slot_time + self._requests() + 10
+
+    def _requests(self) -> float:
+        """The bound's allowance for request latency. A round waits on a chain of requests
+        (the previous commit's GETs, a payload and a snapshot create, the closer's LIST, claim,
+        snapshot GETs eight at a time, payload and commit creates): a dozen steps, each as slow
+        as the slowest of the nodes a quorum of all of them waits on, for the rounds of every
+        fragment before it and its own. The slowest of n draws grows with n: for the pareto
+        latency (shape 1.5, scale mean / 3) about ``mean / 3 * n ** (2/3)``, up to the cap of
+        100 means; for the exponential ``mean * ln n``. At least 200 means, the allowance for
+        two closes measured at 8 nodes (a close under pareto latency took 35 s at a 0.3 s
+        mean); at 64 nodes with a 0.3 s pareto mean a round waited 40 s on its predecessor
+        (seed 69)."""
+        c = self.config
+        floor = 2 * 100 * c.latency_mean
+        draws = 8 * c.nodes  # requests per node and round, of every node
+        if c.latency == "pareto":
+            slowest = min(100 * c.latency_mean, c.latency_mean / 3 * draws ** (2 / 3))
+        elif c.latency == "exponential":
+            slowest = c.latency_mean * math.log(draws)
+        else:
+            return floor
+        return max(floor, 12 * (c.fragments + 1) * slowest)
 
     def _start(self, slot: Slot) -> None:
         c = self.config

@@ -11,7 +11,7 @@ import attrs
 import pytest
 
 from sim.sim_config import SimConfig
-from sim.sim_world import Outcome, simulate
+from sim.sim_world import Outcome, World, simulate
 from sim.simulate import ddmin_faults, main, replay_command, run_seed, shrink
 from specs.bugs import BUGS
 
@@ -249,3 +249,19 @@ def test_nodes_that_close_together_do_not_wait_out_a_takeover() -> None:
         took = {who: t - began[who] for t, who, what in outcome.trace if what == "closed"}
         assert len(took) == 4, took
         assert max(took.values()) < 10.0, (seed, took)  # takeover is 20 s
+
+
+def test_the_liveness_bound_allows_for_the_slowest_of_many_nodes_requests() -> None:
+    # Swarm seed 69 at 64 nodes: a quorum of all 64, three fragments, a pareto latency of
+    # 0.3 s mean. Every round waits on the slowest of 64 nodes' requests, about 40 s a round,
+    # and a round first published early waits for the three before it: round 3, published at
+    # 27 s, committed at 163 s. The bound (106 s) had allowed latency as measured at 8 nodes.
+    def bound(nodes: int, **settings: Any) -> float:
+        return World(SimConfig(seed=0, nodes=nodes, **settings)).bound
+
+    pareto = {"latency": "pareto", "latency_mean": 0.3, "fragments": 3, "inner_steps": 6}
+    assert bound(64, **pareto) > bound(8, **pareto) + 150
+    assert bound(64, latency="uniform") == bound(8, latency="uniform")  # no tail to wait on
+    outcome = run_seed(69, nodes=64, rounds=10, keep_trace=False)
+    assert outcome.violations == (), outcome.violations[:3]
+    assert outcome.committed >= 10
