@@ -126,6 +126,10 @@ def report(result: Result, *, walk: bool) -> str:
         f"time:             {result.seconds:.1f} s",
         f"states/second:    {result.rate:.0f}",
     ]
+    if result.fair:
+        lines.append(
+            f"fair schedules:   judged from {result.fair} unsettled states (specs.fairness)"
+        )
     v = result.violation
     if v is None:
         if walk:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from specs.config import Config
+from specs.fairness import Graph, settled
 from specs.invariants import check
 from specs.liveness import settle, tick_bound
 from specs.state import Event, World
@@ -55,6 +56,9 @@ class Result(NamedTuple):
     seconds: float
     violation: Violation | None
     complete: bool
+    fair: int = 0
+    """States the graph's liveness check judged (``specs.fairness``: reached, not settled,
+    within the bounds); 0 when it did not run."""
 
     @property
     def rate(self) -> float:
@@ -74,22 +78,30 @@ def explore(
     config: Config,
     *,
     liveness: bool = True,
+    settle_each: bool = True,
     max_states: int | None = None,
     progress: Callable[[int, int, int], None] | None = None,
     visit: Callable[[World], None] | None = None,
 ) -> Result:
     """Breadth-first exploration of every interleaving within ``config``'s bounds;
-    ``visit`` is called with one world of each distinct state."""
+    ``visit`` is called with one world of each distinct state. With ``liveness``: once the
+    exploration is complete, the graph's fair schedules (``specs.fairness``), and with
+    ``settle_each`` also the healed schedule from each state as it is reached (its trace is
+    the shortest to a stall it finds)."""
     started = time.perf_counter()
     world = initial(config)
     root = fingerprint(world)
+    graph = Graph() if liveness else None
+    if graph is not None:
+        graph.add(root, settled(world))
     parents: dict[bytes, tuple[bytes, Event] | None] = {root: None}
     queue: deque[tuple[World, bytes, int]] = deque([(world, root, 0)])
     memo: dict[bytes, bool] = {}
     deferred: list[Violation] = []
     generated = depth = 0
     report = 25_000
-    violation = _check(world, root, parents, liveness, memo, deferred)
+    settling = liveness and settle_each
+    violation = _check(world, root, parents, settling, memo, deferred)
     if visit is not None:
         visit(world)
     while queue and violation is None:
@@ -97,25 +109,45 @@ def explore(
         depth = max(depth, d)
         if max_states is not None and len(parents) >= max_states:
             break
-        steps = successors(world)
+        cut: list[Event] | None = [] if graph is not None else None
+        steps = successors(world, cut=cut)
         violation = _deadlock(world, steps, fp, parents)
+        edges: list[tuple[Event, bytes]] = []
         for event, after in steps:
             generated += 1
             child = fingerprint(after)
+            edges.append((event, child))
             if child in parents:
                 continue
+            if graph is not None:
+                graph.add(child, settled(after))
             parents[child] = (fp, event)
             if visit is not None:
                 visit(after)
-            violation = violation or _check(after, child, parents, liveness, memo, deferred)
+            violation = violation or _check(after, child, parents, settling, memo, deferred)
             if violation is not None:
                 depth = d + 1
                 break
             queue.append((after, child, d + 1))
+        if graph is not None and violation is None:
+            graph.expand(fp, edges, bool(cut))
         if progress is not None and len(parents) >= report:
             progress(generated, len(parents), depth)
             report += 25_000
     complete = not queue and violation is None
+    fair = 0
+    if complete and graph is not None:
+        stall = graph.stall(depth=lambda fp: len(_trace(fp, parents)))
+        fair = graph.judged
+        if stall is not None:
+            what = "no healed step" if not stall.cycle else f"a fair cycle of {len(stall.cycle)}"
+            violation = Violation(
+                "liveness",
+                "eventually-committed",
+                f"{what} events from here never commits what a running node published",
+                _trace(stall.state, parents),
+                stall.cycle,
+            )
     if violation is None and deferred:
         violation = deferred[0]
     return Result(
@@ -126,6 +158,7 @@ def explore(
         seconds=time.perf_counter() - started,
         violation=violation,
         complete=complete,
+        fair=fair,
     )
 
 

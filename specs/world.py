@@ -497,15 +497,20 @@ def _forgeries(world: World) -> list[tuple[Event, World]]:
     return found
 
 
-def successors(world: World, *, samples: tuple[int, ...] = (1,)) -> list[tuple[Event, World]]:
+def successors(
+    world: World, *, samples: tuple[int, ...] = (1,), cut: list[Event] | None = None
+) -> list[tuple[Event, World]]:
     """Every enabled event with the world it leads to, in a fixed order (nodes by index).
-    Events that would leave the bounds, or that change nothing, are not enabled."""
+    Events that would leave the bounds, or that change nothing, are not enabled; ``cut``
+    collects the fault-free ones that would leave the bounds."""
     found: list[tuple[Event, World]] = []
     for i, node in enumerate(world.nodes):
         for event in _candidates(world, i, node, samples):
-            after = _attempt(world, event)
+            after = _attempt(world, event, cut)
             if after is not None:
                 found.append((event, after))
+    if cut is not None:
+        cut += _trained_out(world)
     found += _forgeries(world)
     if may_tick(world):
         found.append((Event("tick"), apply(world, Event("tick"))))
@@ -519,12 +524,35 @@ def successors(world: World, *, samples: tuple[int, ...] = (1,)) -> list[tuple[E
     return found
 
 
-def _attempt(world: World, event: Event) -> World | None:
+def _trained_out(world: World) -> list[Event]:
+    """``train`` events the step bound leaves out: a running node that would train on (not
+    leaving, not held at the overlap bound) has made its last explored step."""
+    config = world.config
+    return [
+        Event("train", i)
+        for i, node in enumerate(world.nodes)
+        if node.running
+        and node.trainer is not None
+        and not node.paused
+        and not node.leaving
+        and node.trainer.step >= config.step_bound
+        and not blocked(node, config)
+        and gathered(node, config)
+    ]
+
+
+def _attempt(world: World, event: Event, cut: list[Event] | None = None) -> World | None:
     try:
         after = apply(world, event)
     except OutOfBounds:
+        if cut is not None and event.outcome == "ok":
+            cut.append(event)
         return None
-    if after == world or not _within(world, after, event):
+    if after == world:
+        return None
+    if not _within(world, after, event):
+        if cut is not None and event.outcome == "ok":
+            cut.append(event)
         return None
     if event.outcome != "ok" and after.faults == world.faults:
         return None  # no create to fault in this step: the same as "ok"

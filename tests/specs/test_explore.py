@@ -114,6 +114,7 @@ def test_ci_configuration_holds(config: Config, ci_explorations: dict[str, Futur
     assert result.config == config
     assert result.complete, result
     assert result.violation is None, result.violation
+    assert result.fair > 0  # liveness on every fair schedule too (specs.fairness)
 
 
 @pytest.mark.slow
