@@ -18,10 +18,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from specs.config import Config
-from specs.fairness import Graph, settled
+from specs.fairness import RESTART, Graph, settled
 from specs.invariants import check
 from specs.liveness import settle, tick_bound
-from specs.state import Event, World
+from specs.state import DOWN, Event, World
 from specs.view import fingerprint
 from specs.world import apply, initial, progress_possible, runnable, successors
 
@@ -116,7 +116,7 @@ def explore(
         for event, after in steps:
             generated += 1
             child = fingerprint(after)
-            edges.append((event, child))
+            edges.append((_labelled(world, event), child))
             if child in parents:
                 continue
             if graph is not None:
@@ -160,6 +160,13 @@ def explore(
         complete=complete,
         fair=fair,
     )
+
+
+def _labelled(world: World, event: Event) -> Event:
+    """``event`` as the graph's fairness reads it: a crashed node's ``join`` is a restart."""
+    if event.kind == "join" and world.node(event.node).status == DOWN:
+        return event._replace(loop=RESTART)
+    return event
 
 
 def _trace(fp: bytes, parents: dict[bytes, tuple[bytes, Event] | None]) -> tuple[Event, ...]:

@@ -15,10 +15,13 @@ between them):
   last round) may escape in a larger world, so it is not judged here (``settle`` runs the
   unbounded schedule from it).
 - **Fairness** (strong, per node and loop): an event that is enabled infinitely often is taken
-  infinitely often. The events it binds are the protocol's own progress: each loop's ``step``,
-  ``merge``, ``finish``, ``resume`` and ``tick`` (time passes only when no loop is due, so a
-  fair schedule lets time pass). ``train``, ``leave``, ``join`` and clock drift are the user's or
-  the environment's choices: a schedule may take them or not.
+  infinitely often. The events it binds: each loop's ``step``, ``merge``, ``finish``,
+  ``resume`` and ``tick`` (time passes only when no loop is due, so a fair schedule lets time
+  pass), and the liveness assumptions about users: every node starts (``join`` of a node never
+  started) and a running node trains on until it leaves or reaches the step bound (``train``;
+  a quorum of two waits for the second node's snapshot). A restart of a crashed node
+  (``join`` again), ``leave`` and clock drift are choices a schedule may skip: the survivors
+  must commit without a crashed node coming back.
 
 A violation is a set of open states from which a fair schedule never leaves: a terminal open
 state (no healed step at all), or a strongly connected component of the open states whose every
@@ -36,10 +39,12 @@ from typing import NamedTuple
 
 from specs.state import Event, World
 
-__all__ = ["BOUND", "Graph", "Stall", "settled"]
+__all__ = ["BOUND", "RESTART", "Graph", "Stall", "settled"]
 
-BOUND = frozenset({"step", "merge", "finish", "resume", "tick"})
-"""Event kinds strong fairness binds (the rest are choices a schedule may skip)."""
+BOUND = frozenset({"step", "merge", "finish", "resume", "tick", "train", "join"})
+"""Event kinds strong fairness binds (the rest are choices a schedule may skip), but for a
+restart: a ``join`` labelled ``RESTART``."""
+RESTART = "restart"
 _FAULTS = frozenset({"crash", "pause", "forge"})
 
 Label = tuple[str, int, str]
@@ -123,7 +128,11 @@ class Graph:
         for i, ok in enumerate(open_):
             if ok and not self._edges[i]:
                 return Stall(self._fps[i], ())
-        bound = {code for code, (kind, _, _) in enumerate(self._label_list) if kind in BOUND}
+        bound = {
+            code
+            for code, (kind, _, loop) in enumerate(self._label_list)
+            if kind in BOUND and loop != RESTART
+        }
         pending = [[i for i, ok in enumerate(open_) if ok]]
         while pending:
             members = pending.pop()

@@ -16,6 +16,8 @@ SYNCER = Event("step", 0, loop="syncer")
 LEARNER = Event("step", 1, loop="learner")
 TICK = Event("tick")
 MERGE = Event("merge", 0)
+LEAVE = Event("leave", 0)
+RESTART = Event("join", 1, loop="restart")
 TRAIN = Event("train", 0)
 CRASH = Event("crash", 1)
 
@@ -69,11 +71,13 @@ def test_a_fair_cycle_inside_an_unfair_component_is_found() -> None:
 
 
 def test_choices_bind_no_schedule_and_faults_are_not_followed() -> None:
-    # Training (the user's choice) and a crash (a fault) lead to a settled state; a fair
-    # schedule need take neither.
-    choices = {"a": [(TICK, "a"), (TRAIN, "c"), (CRASH, "c")], "c": []}
+    # Leaving, a crashed node's restart (choices) and a crash (a fault) lead to a settled
+    # state; a fair schedule need take none of them.
+    choices = {"a": [(TICK, "a"), (LEAVE, "c"), (RESTART, "c"), (CRASH, "c")], "c": []}
     stall = graph(choices, done=frozenset({"c"})).stall()
     assert stall is not None and stall.cycle == (TICK,)
+    # Training on is assumed of a running node (a quorum may wait for its snapshot).
+    assert graph({"a": [(TICK, "a"), (TRAIN, "c")], "c": []}, done=frozenset({"c"})).stall() is None
     # A state whose only way on is a fault: once faults stop, nothing happens there.
     stuck = graph({"a": [(CRASH, "c")], "c": []}, done=frozenset({"c"})).stall()
     assert stuck is not None and stuck.state == b"a" and stuck.cycle == ()
