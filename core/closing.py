@@ -65,6 +65,7 @@ from gradientmail.core import keys, robust
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.chain import previous_round
 from gradientmail.core.effects import (
+    HURRY_POLLS,
     Accumulate,
     Accumulated,
     BaseRead,
@@ -266,8 +267,13 @@ def decide(
             watch = attrs.evolve(watch, claim_seen=(*watch.claim_seen, (claim.attempt, now)))
     if view.claims:
         last = max(view.claims, key=lambda c: c.attempt)
-        if watch.expired(last.attempt) is None and leases.expired(
-            last.node, now=now, lease_timeout=lease_timeout
+        # Seen expired: a lease this node has listed and watched go stale. A claimant whose
+        # lease it has not listed yet (a view older than the claim) is no evidence of death;
+        # its attempt is taken over ``takeover * 2**a`` after the claim was seen instead.
+        if (
+            watch.expired(last.attempt) is None
+            and last.node in leases.by_node
+            and leases.expired(last.node, now=now, lease_timeout=lease_timeout)
         ):
             watch = attrs.evolve(watch, expired_seen=(*watch.expired_seen, (last.attempt, now)))
     attempt, opened = _open_attempt(view, watch, leases, now, lease_timeout, takeover)
@@ -513,6 +519,7 @@ class Context:
     poll_interval: float
     outlier_factor: float | None
     rules: Rules
+    hurried: frozenset[int] = frozenset()  # rounds this node's training waits for (Hurry)
     busy: bool = False  # another round's close is running: this one may not begin its own
     settling: bool = False  # a lease LIST is being read: decide on the view it makes
 
@@ -707,6 +714,14 @@ def _claim(
     return state, [*effects, CreateClaim(claim=claim)], None, why
 
 
+def _every(state: RoundState, ctx: Context) -> float:
+    """Seconds until the round's view is read again: a poll interval, or a ``HURRY_POLLS``-th
+    of one while this node's training waits for the round's commit."""
+    if state.round in ctx.hurried:
+        return ctx.poll_interval / HURRY_POLLS
+    return ctx.poll_interval
+
+
 def _fold(
     state: RoundState, result: Result, ctx: Context, now: float
 ) -> tuple[RoundState, list[Effect]]:
@@ -717,12 +732,12 @@ def _fold(
         if ctx.members is not None:
             nodes = robust.members(nodes, ctx.members)
         listing = max(0, state.listing - 1)
-        due = now + ctx.poll_interval
+        due = now + _every(state, ctx)
         state = attrs.evolve(state, reporters=nodes, listing=listing, stale=False, due=due)
         return state, []
     if isinstance(result, ClaimsRead) and state.closing is None:
         listing = max(0, state.listing - 1)
-        due = now + ctx.poll_interval
+        due = now + _every(state, ctx)
         state = attrs.evolve(state, claims=result.claims, listing=listing, stale=False, due=due)
         return state, []
     if state.closing is None:

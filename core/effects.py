@@ -37,6 +37,7 @@ import attrs
 from gradientmail.core.records import Claim, Commit, Lease, Manifest, PayloadRef, Snapshot
 
 __all__ = [
+    "HURRY_POLLS",
     "Accumulate",
     "Accumulated",
     "BaseRead",
@@ -213,9 +214,17 @@ class Captured:
 @attrs.frozen(kw_only=True)
 class Hurry:
     """Message to the learner loop: the training thread waits for the commit of ``round``
-    (``step`` held at the overlap bound, or ``close``): poll it more often until it comes."""
+    (``step`` held at the overlap bound, or ``close``): poll it more often until it comes. Sent
+    to both loops: the learner polls the commit, the syncer reads the round's view (when it
+    reads it at every poll), ``HURRY_POLLS`` times per interval."""
 
     round: int
+
+
+HURRY_POLLS = 4
+"""Reads per poll interval of what a waiting training thread needs (``Hurry``): the commit's
+GET, and the round's view where this node would close it. A commit that lands while the node
+is held is merged a quarter of an interval later at most, not a whole one."""
 
 
 @attrs.frozen(kw_only=True)

@@ -34,6 +34,7 @@ import attrs
 from gradientmail.core import keys
 from gradientmail.core.chain import Walk, begin, continues
 from gradientmail.core.effects import (
+    HURRY_POLLS,
     Captured,
     CommitRead,
     Committed,
@@ -66,10 +67,6 @@ IDLE_POLLS = 10
 """Poll intervals between GETs of a fragment's next commit while this node has no snapshot in
 that round: the commit can then exist only if the round closed without this node, which the
 node learns at the latest ``IDLE_POLLS`` polls later (and at its next snapshot's poll)."""
-
-HURRY_POLLS = 4
-"""GETs per poll interval of a commit the training thread waits for (``Hurry``): a commit that
-lands while the node is held is merged a quarter of an interval later at most, not a whole one."""
 
 
 @attrs.frozen(kw_only=True)

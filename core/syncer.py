@@ -35,6 +35,7 @@ from gradientmail.core.effects import (
     Effect,
     Forget,
     Gather,
+    Hurry,
     LeaseRead,
     LeasesListed,
     Leave,
@@ -96,6 +97,7 @@ class SyncerState:
     collect: tuple[tuple[int, float], ...] = ()
     stopping: bool = False
     gathering: bool = False
+    hurried: frozenset[int] = frozenset()  # rounds this node's training waits for (Hurry)
 
     def commit(self, r: int) -> Commit | None:
         return dict(self.commits).get(r)
@@ -187,6 +189,8 @@ def _take(
         return _learn(state, item.commit, settings), []
     if isinstance(item, Gather):
         return attrs.evolve(state, gathering=True), []
+    if isinstance(item, Hurry):
+        return _hurry(state, item.round, settings), []
     if isinstance(item, Leave):
         keeper = attrs.evolve(state.keeper, leaving=True, next_renewal=-math.inf)
         return attrs.evolve(state, keeper=keeper), []
@@ -251,6 +255,18 @@ def _watch(state: SyncerState, r: int, settings: Settings) -> SyncerState:
     return attrs.evolve(state, rounds=rounds)
 
 
+def _hurry(state: SyncerState, r: int, settings: Settings) -> SyncerState:
+    """This node's training waits for round ``r``'s commit: while the node reads the round's
+    view at every poll (it is the closer it predicts, or a candidate), it reads it at once and
+    then ``polling.HURRY_POLLS`` times per interval (``closing.Context.hurried``), so its close
+    begins soon after the round's last snapshot, not up to an interval later."""
+    K = settings.manifest.algorithm.fragments
+    if any(c >= r and c % K == r % K for c, _ in state.commits):
+        return state
+    rounds = tuple(closing.poke(s) if s.round == r else s for s in state.rounds)
+    return attrs.evolve(state, rounds=rounds, hurried=state.hurried | {r})
+
+
 def _learn(state: SyncerState, commit: Commit, settings: Settings) -> SyncerState:
     """``commit`` exists: remember it (a window), its peers, and that every watched round of
     its fragment up to it is committed (each commit's base is the one before)."""
@@ -268,7 +284,9 @@ def _learn(state: SyncerState, commit: Commit, settings: Settings) -> SyncerStat
         for s in state.rounds
     )
     peers = state.peers | {i.node for i in commit.included}
-    return attrs.evolve(state, commits=commits, rounds=rounds, peers=peers)
+    k = commit.round % K
+    hurried = frozenset(h for h in state.hurried if h % K != k or h > commit.round)
+    return attrs.evolve(state, commits=commits, rounds=rounds, peers=peers, hurried=hurried)
 
 
 def _rounds(
@@ -288,6 +306,7 @@ def _rounds(
         lease_timeout=settings.lease_timeout,
         takeover=settings.takeover,
         poll_interval=settings.poll_interval,
+        hurried=state.hurried,
         outlier_factor=settings.outlier_factor,
         busy=False,
         settling=keeper.listing is not None,

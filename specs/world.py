@@ -281,7 +281,7 @@ def _train(world: World, i: int, samples: int) -> World:
 
 
 def _hurry(world: World, i: int, rounds: Sequence[int] | None = None) -> World:
-    """What ``Node.step`` (held at the overlap bound) and ``Node.close`` tell the learner loop:
+    """What ``Node.step`` (held at the overlap bound) and ``Node.close`` tell both loops:
     the commits the training side waits for (``Hurry``; by default the one ``step`` is held
     on, if any)."""
     node = world.node(i)
@@ -292,8 +292,10 @@ def _hurry(world: World, i: int, rounds: Sequence[int] | None = None) -> World:
     if not rounds:
         return world
     messages = tuple(fx.Hurry(round=r) for r in rounds)
-    loop = node.learner._replace(inbox=(*node.learner.inbox, *messages))
-    return world.with_node(i, node._replace(learner=loop))
+    assert node.syncer is not None
+    learner_loop = node.learner._replace(inbox=(*node.learner.inbox, *messages))
+    syncer_loop = node.syncer._replace(inbox=(*node.syncer.inbox, *messages))
+    return world.with_node(i, node._replace(learner=learner_loop, syncer=syncer_loop))
 
 
 def _merge_all(world: World, i: int) -> World:

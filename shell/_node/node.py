@@ -274,7 +274,7 @@ class Node:
         """Count one training step of ``samples`` tokens; never does I/O. Blocks only while
         the overlap bound holds (``learner.waiting_on``), until a commit arrives; meanwhile
         the learner loop polls that commit more often (``Hurry``)."""
-        assert self.trainer is not None and self.learner is not None
+        assert self.trainer is not None
         self.trainer.advance(samples)
         blocked = self.trainer.blocked()
         if blocked is None:
@@ -284,7 +284,7 @@ class Node:
         while (waiting := self.trainer.blocked()) is not None:
             if waiting.round != hurried:  # at first, and when the bound holds on another round
                 hurried = waiting.round
-                self.learner.inbox.put(Hurry(round=hurried))
+                self._hurry(hurried)
             await self.handoff.bell.wait(self._poll_interval)
         seconds = self.clock.now() - start
         stalled = Stalled(
@@ -295,6 +295,13 @@ class Node:
             step=self.trainer.steps,
         )
         self.on_event(stalled)
+
+    def _hurry(self, r: int) -> None:
+        """The training side waits for round ``r``'s commit: both loops read for it more often
+        (``Hurry``)."""
+        assert self.learner is not None and self.syncer is not None
+        self.learner.inbox.put(Hurry(round=r))
+        self.syncer.inbox.put(Hurry(round=r))
 
     async def wait_for_nodes(self, count: int, timeout: float) -> frozenset[str]:
         """Return the active nodes once this node's lease view lists at least ``count`` of
@@ -328,11 +335,11 @@ class Node:
         """Publish what was trained since the last rounds, release the lease at once, wait for
         those rounds to commit and merge them (Decision 11), then stop both loops. Raises
         ``ProtocolError`` when they do not commit within ``timeout`` seconds."""
-        assert self.trainer is not None and self.learner is not None
+        assert self.trainer is not None
         try:
             self.begin_close()
             for r in self.trainer.outstanding():
-                self.learner.inbox.put(Hurry(round=r))
+                self._hurry(r)
             deadline = self.clock.now() + timeout
             while not self.trainer.done:
                 if self.clock.now() > deadline:

@@ -13,14 +13,19 @@ import attrs
 from gradientmail.core import closing, keys, syncer
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.effects import (
+    ClaimsRead,
     CreateClaim,
     Gather,
+    Hurry,
     LeaseRead,
     LeasesListed,
     Leave,
+    ListClaims,
     ListLeases,
+    ListSnapshots,
     Result,
     Seen,
+    SnapshotsListed,
     Watch,
 )
 from gradientmail.core.fragments import partition
@@ -65,16 +70,26 @@ def run(
     until: float,
     messages: Sequence[Result] = (),
     nodes: Sequence[str] = (),
+    *,
+    every: float = 0.5,
+    views: list[float] | None = None,
 ) -> tuple[syncer.SyncerState, list[float]]:
-    """Step the syncer every 0.5 s from ``start`` to ``until`` (``messages`` at the first
+    """Step the syncer every ``every`` s from ``start`` to ``until`` (``messages`` at the first
     step), answering each LIST of leases at once with ``nodes``' leases (and ``node-a``'s),
-    each renewed since the last LIST: when it listed."""
+    each renewed since the last LIST: when it listed. With ``views``, each LIST of a round's
+    snapshots is answered too (``node-a``'s alone; no claims), and its time kept there."""
     listed: list[float] = []
     view: list[Result] = list(messages)
     now = start
-    while now <= until:
+    while now <= until + 1e-9:
         state, effects, _ = syncer.step(view, state, now=now, settings=SETTINGS)
         view = []
+        for effect in effects if views is not None else ():
+            if isinstance(effect, ListSnapshots):
+                views.append(round(now, 2))
+                view.append(SnapshotsListed(round=effect.round, sizes=(("node-a", 0, 100),)))
+            elif isinstance(effect, ListClaims):
+                view.append(ClaimsRead(round=effect.round, claims=()))
         if any(isinstance(e, ListLeases) for e in effects):
             listed.append(now)
             counter = len(listed)
@@ -85,7 +100,7 @@ def run(
             )
             reads = [LeaseRead(node=x.node, lease=x) for x in leases]
             state, _, _ = syncer.step(reads, state, now=now, settings=SETTINGS)
-        now += 0.5
+        now = round(now + every, 2)
     return state, listed
 
 
@@ -132,6 +147,40 @@ def test_a_leaving_node_lists_every_half_renewal_until_its_rounds_are_done() -> 
     assert syncer.lease_cadence(state, SETTINGS) == EVERY / 2
     done = attrs.evolve(state, rounds=())
     assert syncer.lease_cadence(done, SETTINGS) == math.inf
+
+
+def test_a_closer_whose_training_waits_reads_the_round_four_times_an_interval() -> None:
+    """``Hurry``: the predicted closer reads the round's view at every poll; while its own
+    training waits for the commit, at once and then ``HURRY_POLLS`` times per interval, so its
+    close begins soon after the last snapshot. Once the commit is known, that ends."""
+    nodes = others(1, me_first=True)  # round 1: two more nodes, node-a its closer
+    state, _ = run(syncer.SyncerState(), 0.0, 1.0, (), nodes)
+    views: list[float] = []
+    state, _ = run(state, 1.1, 3.0, [Watch(round=1, ours=True)], nodes, every=0.05, views=views)
+    # Once per interval from each LIST's answer, a step (0.05 s) later (the others have not
+    # reported: the round stays open).
+    assert views == [1.1, 2.15]
+    views.clear()
+    state, _ = run(state, 3.05, 4.0, [Hurry(round=1)], nodes, every=0.05, views=views)
+    assert views == [3.05, 3.35, 3.65, 3.95]
+    assert state.hurried == {1}
+    committed = Commit(
+        round=1,
+        fragment=0,
+        base_round=0,
+        closer="node-b",
+        attempt=0,
+        nonce=NONCE,
+        included=(
+            Included(
+                node="node-a", nonce=NONCE, samples=1, steps=10, base_round=0, digest="cd" * 32
+            ),
+        ),
+        params=PayloadRef(key=keys.params(1, NONCE), digest="cd" * 32, size=16),
+        state=PayloadRef(key=keys.state(1, NONCE), digest="cd" * 32, size=16),
+    )
+    state, _, _ = syncer.step([Seen(commit=committed)], state, now=4.05, settings=SETTINGS)
+    assert state.hurried == frozenset()
 
 
 def test_the_predicted_closer_lists_every_half_renewal() -> None:

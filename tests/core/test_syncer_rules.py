@@ -285,10 +285,17 @@ def test_the_next_attempt_opens_at_once_when_the_claimant_expired() -> None:
     assert watch.seen(0) == T0
 
 
-def test_a_claimant_that_left_its_lease_unlisted_counts_as_expired() -> None:
+def test_a_claimant_whose_lease_this_node_has_not_listed_is_taken_over_only_by_the_timer() -> None:
+    # No lease of the claimant in this node's view: a view older than the claim (the explorer
+    # found a node that read the claims before its next LIST of leases, and took over a live
+    # closer at once), not evidence of death. The claim's timer still ends it.
     ls = leases(["a"])
-    v = view(0, ["a"], claims=[claim("gone")])
-    _, decision = decide(v, RoundWatch(round=0), ls, "a", T0)
+    v = view(0, ["a"], claims=[claim("unlisted")])
+    watch, decision = decide(v, RoundWatch(round=0), ls, "a", T0)
+    assert isinstance(decision, Wait) and decision.until == T0 + TAKEOVER
+    assert watch.expired(0) is None
+    deadline = T0 + TAKEOVER
+    _, decision = decide(v, watch, leases(["a"], now=deadline), "a", deadline)
     assert isinstance(decision, ClaimRound) and decision.attempt == 1
 
 
