@@ -471,25 +471,35 @@ class World:
         c = self.config
         weight = 10.0 if any(f"/{w}" in key for w in _WEIGHTY) else 1.0
         if c.crash_on_write > 0:
-            drawn = self.rng.random() < c.crash_on_write * weight
-            before = drawn and self.rng.random() < 0.5
-            crash_before = self._decide(inc, f"crash before {kind} {key}", before)
-            crash_after = self._decide(inc, f"crash after {kind} {key}", drawn and not before)
+            crash_before, crash_after = self._around(
+                inc, "crash", c.crash_on_write * weight, kind, key
+            )
             if crash_before:
                 self._crash(inc, f"before {kind} {key}")
             if crash_before or crash_after:
                 inc.crash_after_write = True
         if c.pause_on_write > 0:
-            drawn = self.rng.random() < c.pause_on_write * weight
-            before = drawn and self.rng.random() < 0.5
-            pause_before = self._decide(inc, f"pause before {kind} {key}", before)
-            pause_after = self._decide(inc, f"pause after {kind} {key}", drawn and not before)
+            pause_before, pause_after = self._around(
+                inc, "pause", c.pause_on_write * weight, kind, key
+            )
             if pause_before:
                 self._pause(inc, f"before {kind} {key}")
                 return True
             if pause_after:
                 inc.pause_after_write = True  # a stall right after a write: after a won claim
         return False
+
+    def _around(
+        self, inc: Incarnation, fault: str, rate: float, kind: str, key: str
+    ) -> tuple[bool, bool]:
+        """Whether ``fault`` (a crash or a pause) strikes just before this write, or just
+        after it: drawn with probability ``rate``, half each (``_decide`` numbers both)."""
+        drawn = self.rng.random() < rate
+        before = drawn and self.rng.random() < 0.5
+        return (
+            self._decide(inc, f"{fault} before {kind} {key}", before),
+            self._decide(inc, f"{fault} after {kind} {key}", drawn and not before),
+        )
 
     def after_write(
         self,
