@@ -3,12 +3,15 @@ crashes and restarts, the timing discipline, and the view's normalization of tim
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
+import specs.view
 from gradientmail.core import keys
 from gradientmail.core.records import Commit
 from specs.config import Config
-from specs.explore import replay
+from specs.explore import explore, replay
 from specs.mailbox import SnapObj
 from specs.state import LOOPS, Event, World
 from specs.view import fingerprint, view
@@ -153,6 +156,27 @@ def test_the_view_drops_absolute_time_and_lease_counters() -> None:
         later = due(apply(later, Event("tick")))
     assert later.time == steady.time + world.config.idle_polls
     assert view(later) == view(steady) and fingerprint(later) == fingerprint(steady)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        Config(nodes=2, rounds=1, leave=False, quick_leases=True, idle_polls=1),
+        Config(nodes=2, rounds=1, leave=False, quick_leases=True, idle_polls=1, exact=True),
+        Config(nodes=2, rounds=1, drift=1),
+    ],
+    ids=Config.describe,
+)
+def test_a_cached_fingerprint_is_that_of_the_view_encoded_afresh(config: Config) -> None:
+    """The fingerprint reuses the encodings of parts a world shares with others, down to the
+    records nested in a loop, some under every node's clock at once: each equals the blake2b of
+    ``repr(view)`` computed with nothing cached."""
+    worlds: list[World] = []
+    explore(config, liveness=False, max_states=3_000, visit=worlds.append)
+    warm = [fingerprint(w) for w in worlds]
+    for world, fp in zip(worlds, warm, strict=True):
+        specs.view._CACHE.clear()
+        assert fp == hashlib.blake2b(repr(view(world)).encode(), digest_size=16).digest()
 
 
 def test_a_replayed_trace_goes_through_the_same_worlds() -> None:
