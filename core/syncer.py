@@ -261,7 +261,7 @@ def _hurry(state: SyncerState, r: int, settings: Settings) -> SyncerState:
     then ``polling.HURRY_POLLS`` times per interval (``closing.Context.hurried``), so its close
     begins soon after the round's last snapshot, not up to an interval later."""
     K = settings.manifest.algorithm.fragments
-    if any(c >= r and c % K == r % K for c, _ in state.commits):
+    if any(_covers(c, r, K) for c, _ in state.commits):
         return state
     rounds = tuple(closing.poke(s) if s.round == r else s for s in state.rounds)
     return attrs.evolve(state, rounds=rounds, hurried=state.hurried | {r})
@@ -278,15 +278,18 @@ def _learn(state: SyncerState, commit: Commit, settings: Settings) -> SyncerStat
         newest[r % K] = max(newest.get(r % K, r), r)
     commits = tuple(sorted((r, c) for r, c in known.items() if r >= newest[r % K] - COMMIT_WINDOW))
     rounds = tuple(
-        attrs.evolve(s, committed=True)
-        if s.round % K == commit.round % K and s.round <= commit.round
-        else s
+        attrs.evolve(s, committed=True) if _covers(commit.round, s.round, K) else s
         for s in state.rounds
     )
     peers = state.peers | {i.node for i in commit.included}
-    k = commit.round % K
-    hurried = frozenset(h for h in state.hurried if h % K != k or h > commit.round)
+    hurried = frozenset(h for h in state.hurried if not _covers(commit.round, h, K))
     return attrs.evolve(state, commits=commits, rounds=rounds, peers=peers, hurried=hurried)
+
+
+def _covers(committed: int, r: int, fragments: int) -> bool:
+    """A commit of round ``committed`` settles round ``r``: the same fragment, and ``r`` is
+    that round or an earlier one (each commit's base is the one before)."""
+    return committed >= r and committed % fragments == r % fragments
 
 
 def _rounds(
