@@ -7,8 +7,10 @@ observer first saw them. Expected nodes are the active (live, not left) nodes th
 the fragment's previous round, or for a fragment's first round every active node (with those
 seen reporting elsewhere whose leases this observer has not listed yet). So a synchronous run
 closes as soon as everyone is in; a straggler costs at most ``grace``; a newcomer is not waited
-for until it has reported once; and no cycle of waiting nodes can stall the run, since the grace
-timer always runs out.
+for until it has reported once; and once ``quorum_size`` snapshots exist no cycle of waiting
+nodes can stall the run, since the grace timer always runs out. Below that it can: with
+``quorum_size`` equal to the node count, rounds of two fragments can each expect nodes that wait
+at the overlap bound for the other (an open bug, tests/sim/test_sim_findings.py).
 
 Closer. Attempt ``a``'s candidates are the round's live reporters ordered by a stable hash of
 ``r`` and each node (``rank``) and turned by ``a``, whether or not they have left (a leaving
