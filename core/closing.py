@@ -8,9 +8,10 @@ the fragment's previous round, or for a fragment's first round every active node
 seen reporting elsewhere whose leases this observer has not listed yet). So a synchronous run
 closes as soon as everyone is in; a straggler costs at most ``grace``; a newcomer is not waited
 for until it has reported once; and once ``quorum_size`` snapshots exist no cycle of waiting
-nodes can stall the run, since the grace timer always runs out. Below that it can: with
-``quorum_size`` equal to the node count, rounds of two fragments can each expect nodes that wait
-at the overlap bound for the other (an open bug, tests/sim/test_sim_findings.py).
+nodes can stall the run, since the grace timer always runs out. Below that (``quorum_size``
+equal to the node count) every expected node must report, which the learner's "Held" rules
+ensure: a node held at the overlap bound publishes every round it owes below the holding one,
+taking one step first when it has nothing to publish to it (core/learner.py).
 
 Closer. Attempt ``a``'s candidates are the round's live reporters ordered by a stable hash of
 ``r`` and each node (``rank``) and turned by ``a``, whether or not they have left (a leaving

@@ -19,7 +19,9 @@ Held. A node held at the overlap bound by round ``R`` publishes at once every fr
 whose next round is below ``R``: those rounds are owed before ``R`` in round order, and another
 node held by one of them may be what ``R`` waits for. A fragment that was in flight when its
 slot came lets the node publish a later round first; without this rule two nodes in opposite
-phases could each hold the round the other needs (docs/protocol.md, "Held").
+phases could each hold the round the other needs (docs/protocol.md, "Held"). An owed fragment
+that has not trained since its last snapshot has nothing to publish, so it does not hold the
+node: one more step, and that round is published.
 """
 
 from __future__ import annotations
@@ -153,8 +155,12 @@ def step(state: LearnerState, algorithm: DiLoCo, samples: int) -> tuple[LearnerS
 
 def waiting_on(state: LearnerState, algorithm: DiLoCo) -> Blocked | None:
     """Why ``step`` must not return yet, or None: a snapshot taken ``overlap_steps`` or more
-    steps ago whose commit has not been merged."""
-    for k, r, at in _holding(state, algorithm):
+    steps ago whose commit has not been merged, unless the node owes a round below it that it
+    has not trained for yet (``_owes_untrained``: one more step lets it publish that round)."""
+    holding = _holding(state, algorithm)
+    if holding and _owes_untrained(state, algorithm, max(r for _, r, _ in holding)):
+        return None
+    for k, r, at in holding:
         return Blocked(
             fragment=k,
             round=r,
@@ -164,6 +170,21 @@ def waiting_on(state: LearnerState, algorithm: DiLoCo) -> Blocked | None:
             ),
         )
     return None
+
+
+def _owes_untrained(state: LearnerState, algorithm: DiLoCo, newest: int) -> bool:
+    """Whether a free fragment whose next round is below ``newest`` (a round holding the node)
+    has taken no step since its last snapshot. Such a round is owed before ``newest`` (the
+    "Held" rule publishes it), but with no samples there is nothing to publish (Decision 6),
+    and while held the node never gets any: the round would wait for it, and ``newest`` may
+    wait for a node held by that round. One step gives the fragment samples, and ``step``
+    publishes the owed round at once (bounded from that step, so the node is held again).
+    With commits merged in round order this never happens: rounds are then published in
+    increasing order, so a fragment's next round is above every round in flight."""
+    return any(
+        f.free and f.steps == 0 and next_round(algorithm, k, f.merged) < newest
+        for k, f in enumerate(state.fragments)
+    )
 
 
 def _holding(state: LearnerState, algorithm: DiLoCo) -> list[tuple[int, int, int]]:

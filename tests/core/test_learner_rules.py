@@ -222,6 +222,9 @@ def test_with_commits_in_round_order_rounds_are_published_in_increasing_order(
             ledger.take(state, effects)
         elif action == "deliver" and ledger.pending:
             state = ledger.commit(state, min(ledger.pending), True)
+        # In round order no owed round lacks samples: a held node never steps past the bound.
+        holding = rules._holding(state, a)
+        assert not holding or rules.waiting_on(state, a) is not None
     assert ledger.order == sorted(ledger.order)
     assert len(set(ledger.order)) == len(ledger.order)
 
@@ -416,6 +419,31 @@ def test_a_node_held_at_the_bound_publishes_the_rounds_it_owes_before_the_holdin
     state, effects = rules.on_commit(state, a, round=3, included=True)
     assert publishes(effects) == [Publish(fragment=1, round=5, base_round=3, samples=3, steps=3)]
     assert state.fragments[1].published_at == 5
+    blocked = rules.waiting_on(state, a)
+    assert blocked is not None and blocked.round == 6
+
+
+def test_a_held_node_that_owes_a_round_it_has_not_trained_for_takes_one_step() -> None:
+    # Missed rounds and commits out of round order leave fragment 0 at commit 4 with no step
+    # since its snapshot, while the slot after commit 5 publishes round 7, bounded. Held by 7,
+    # the node owes round 6 but has no samples for it (Decision 6); held, it would never get
+    # any, and round 6 would wait for it (the simulator's seed 140 stalled so with a quorum of
+    # every node). It takes one step, which publishes round 6, and is held again.
+    a = algo(h=4, k=2, overlap=0)
+    state = fresh(a)
+    for action in ("step", "step", 0, "step", "step", 1, "step", 3, "step", 2):
+        if action == "step":
+            state, _ = rules.step(state, a, 1)
+        else:
+            state, _ = rules.on_commit(state, a, round=int(action), included=False)
+    state, _ = rules.on_commit(state, a, round=4, included=True)
+    state, effects = rules.on_commit(state, a, round=5, included=True)
+    assert publishes(effects) == [Publish(fragment=1, round=7, base_round=5, samples=1, steps=1)]
+    f = state.fragments[0]
+    assert (f.merged, f.free, f.steps, state.fragments[1].published_at) == (4, True, 0, 6)
+    assert rules.waiting_on(state, a) is None, "owes round 6 and has nothing to publish to it"
+    state, effects = rules.step(state, a, 5)
+    assert publishes(effects) == [Publish(fragment=0, round=6, base_round=4, samples=5, steps=1)]
     blocked = rules.waiting_on(state, a)
     assert blocked is not None and blocked.round == 6
 
