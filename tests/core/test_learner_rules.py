@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gradientmail.core import learner as rules
@@ -227,6 +227,58 @@ def test_with_commits_in_round_order_rounds_are_published_in_increasing_order(
         assert not holding or rules.waiting_on(state, a) is not None
     assert ledger.order == sorted(ledger.order)
     assert len(set(ledger.order)) == len(ledger.order)
+
+
+@st.composite
+def bounded_schedules(draw: st.DrawFn) -> tuple[DiLoCo, list[tuple[str, int, bool]]]:
+    """Short slots with an overlap bound, several fragments, and commits in any order."""
+    k = draw(st.integers(2, 3))
+    h = k * draw(st.integers(1, 3))
+    a = DiLoCo(inner_steps=h, fragments=k, overlap_steps=draw(st.integers(0, h // k - 1)))
+    actions = draw(
+        st.lists(
+            st.tuples(st.sampled_from(["step", "deliver"]), st.integers(0, 3), st.booleans()),
+            max_size=40,
+        )
+    )
+    return a, actions
+
+
+_STEP, _MISS, _COUNT = ("step", 0, False), ("deliver", 0, False), ("deliver", 0, True)
+
+
+@settings(max_examples=400)
+@given(bounded_schedules())
+@example(  # the sequence of the test above (simulator seed 140)
+    (
+        algo(h=4, k=2, overlap=0),
+        [_STEP, _STEP, _MISS, _STEP, _STEP, _MISS, _STEP, ("deliver", 1, False), _STEP]
+        + [_MISS, _COUNT, _COUNT],
+    )
+)
+def test_a_held_node_owes_no_round_below_the_rounds_holding_it(
+    case: tuple[DiLoCo, list[tuple[str, int, bool]]],
+) -> None:
+    # The liveness argument of docs/protocol.md ("Held"): whatever the order of commits and
+    # whether they count the node, a node that step() holds has published every round it owes
+    # below the newest round holding it, so no round waits for a node that waits for it.
+    a, actions = case
+    state, ledger = fresh(a), Ledger(a)
+    for action, value, flag in actions:
+        if action == "step" and rules.waiting_on(state, a) is None:
+            state, effects = rules.step(state, a, value + 1)
+            ledger.take(state, effects)
+        elif action == "deliver" and ledger.pending:
+            r = sorted(ledger.pending)[value % len(ledger.pending)]
+            state = ledger.commit(state, r, flag)
+        if rules.waiting_on(state, a) is not None:
+            newest = max(r for _, r, _ in rules._holding(state, a))
+            owed = [
+                rules.next_round(a, k, f.merged)
+                for k, f in enumerate(state.fragments)
+                if f.free and rules.next_round(a, k, f.merged) < newest
+            ]
+            assert owed == [], f"held by round {newest}, owes rounds {owed}"
 
 
 def test_zero_sample_steps_publish_nothing_and_count_their_steps() -> None:
