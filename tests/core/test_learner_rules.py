@@ -252,8 +252,10 @@ _STEP, _MISS, _COUNT = ("step", 0, False), ("deliver", 0, False), ("deliver", 0,
 @example(  # the sequence of the test above (simulator seed 140)
     (
         algo(h=4, k=2, overlap=0),
-        [_STEP, _STEP, _MISS, _STEP, _STEP, _MISS, _STEP, ("deliver", 1, False), _STEP]
-        + [_MISS, _COUNT, _COUNT],
+        [
+            *(_STEP, _STEP, _MISS, _STEP, _STEP, _MISS, _STEP, ("deliver", 1, False), _STEP),
+            *(_MISS, _COUNT, _COUNT),
+        ],
     )
 )
 def test_a_held_node_owes_no_round_below_the_rounds_holding_it(
