@@ -325,10 +325,12 @@ def attentive(state: RoundState, ctx: Context, *, now: float) -> float | None:
     It reads every poll when it is the closer it predicts (attempt 0's first candidate among
     the nodes the round expects, itself included), or the next candidate until it sees that
     one's snapshot; when it cannot predict one (the fragment's previous commit is unknown to
-    it); while it closes; and once the round has stayed open ``takeover`` seconds since it left
-    it to that closer (a takeover candidate past its timeout). Any other reporter leaves the
-    round to that closer and learns of the commit from the learner's poll, so a healthy round
-    costs one or two nodes their LISTs, not every node."""
+    it); while it closes; and once the round has stayed uncommitted ``takeover`` seconds since
+    it left it to that closer (a takeover candidate past its timeout), until a read finds the
+    round not yet closable (``step`` then starts ``since`` over): a round that waits for
+    stragglers costs each other reporter one read per ``takeover`` seconds, not one per poll.
+    Any other reporter leaves the round to that closer and learns of the commit from the
+    learner's poll, so a healthy round costs one or two nodes their LISTs, not every node."""
     if state.closing is not None or state.stale or state.watch.open_since is not None:
         return None
     late = (now if state.since is None else state.since) + ctx.takeover
@@ -568,9 +570,10 @@ class RoundState:
     on a view read then, so its candidates agree on who closes it); at once when ``poked`` (a
     bell: this node's snapshot is out). ``stale``: it must be read again before the rules
     decide on it (a close of this node's ended without a commit); ``listing``: LISTs in
-    flight. ``since``: when this node first left the round to the closer it predicts;
+    flight. ``since``: when this node last left the round to the closer it predicts;
     ``attentive``: whether it reads the round's view every poll (``attentive``), or leaves
-    that to that closer until ``takeover`` seconds after ``since`` (Decision 8).
+    that to that closer until ``takeover`` seconds after ``since`` (Decision 8); a read then
+    that finds the round not yet closable leaves it again (``since`` starts over).
     ``refused``: the snapshot keys (node, slot) a close of this node's found holding no
     snapshot it can use (a squatter's object, a corrupt one, or too large): they never
     change, so they are not read again, and a node whose listed keys are all refused is not a
@@ -672,6 +675,18 @@ def step(state: RoundState, results: Sequence[Result], ctx: Context, *, now: flo
         return state, effects, refresh, f"round {r}: waits for this node's other close"
     if isinstance(decision, ClaimRound):
         return _claim(state, decision.attempt, ctx, now, effects, decision.reason)
+    if (
+        state.since is not None
+        and now >= state.since + ctx.takeover
+        and isinstance(decision, Wait)
+        and decision.until is None
+        and state.watch.quorum_since is None
+        and state.watch.open_since is None
+    ):
+        # A reporter that left the round to the closer it predicts read it late and found it
+        # below quorum (waiting for reporters): nothing for a takeover to do yet, so it leaves
+        # the round again for ``takeover`` seconds rather than reading it every poll.
+        state = attrs.evolve(state, since=None)
     until = refresh
     if isinstance(decision, Wait) and decision.until is not None:
         until = min(refresh, decision.until)

@@ -73,6 +73,7 @@ def run(
     *,
     every: float = 0.5,
     views: list[float] | None = None,
+    settings: syncer.Settings = SETTINGS,
 ) -> tuple[syncer.SyncerState, list[float]]:
     """Step the syncer every ``every`` s from ``start`` to ``until`` (``messages`` at the first
     step), answering each LIST of leases at once with ``nodes``' leases (and ``node-a``'s),
@@ -82,7 +83,7 @@ def run(
     view: list[Result] = list(messages)
     now = start
     while now <= until + 1e-9:
-        state, effects, _ = syncer.step(view, state, now=now, settings=SETTINGS)
+        state, effects, _ = syncer.step(view, state, now=now, settings=settings)
         view = []
         for effect in effects if views is not None else ():
             if isinstance(effect, ListSnapshots):
@@ -96,10 +97,10 @@ def run(
             leases = [Lease(node=n, nonce=NONCE, counter=counter) for n in ("node-a", *nodes)]
             entries = tuple((x.node, f"v{counter}", 100, None) for x in leases)
             state, effects, _ = syncer.step(
-                [LeasesListed(entries=entries)], state, now=now, settings=SETTINGS
+                [LeasesListed(entries=entries)], state, now=now, settings=settings
             )
             reads = [LeaseRead(node=x.node, lease=x) for x in leases]
-            state, _, _ = syncer.step(reads, state, now=now, settings=SETTINGS)
+            state, _, _ = syncer.step(reads, state, now=now, settings=settings)
         now = round(now + every, 2)
     return state, listed
 
@@ -129,6 +130,25 @@ def test_a_gathering_node_lists_every_half_renewal_until_it_publishes() -> None:
     state, listed = run(state, 50.5, 60.0, (), nodes)
     assert all(s.attentive for s in state.rounds)
     assert listed == [50.5, 55.5]
+
+
+def test_a_reporter_reads_a_round_that_waits_for_stragglers_once_per_takeover() -> None:
+    """Decision 8: a reporter that left the round to the closer it predicts reads it once the
+    takeover timer runs out; a read that finds it still waiting for reporters (nothing for a
+    takeover to do) leaves it again for ``takeover`` seconds, rather than every poll on."""
+    algorithm = attrs.evolve(MANIFEST.algorithm, quorum_size=3)  # every node: no grace
+    settings = attrs.evolve(SETTINGS, manifest=attrs.evolve(MANIFEST, algorithm=algorithm))
+    nodes = others(0, me_first=False)
+    views: list[float] = []
+    start = [Watch(round=0, ours=True)]
+    state, listed = run(
+        syncer.SyncerState(), 0.0, 120.0, start, nodes, views=views, settings=settings
+    )
+    # Once when its snapshot is out, then once per takeover: 30 s counted from the step after
+    # the one that folded each read's answer (steps are 0.5 s apart); leases only then too.
+    assert views == [0.0, 30.5, 61.5, 92.5]
+    assert listed == [0.0, 30.5, 61.5, 92.5]
+    assert state.rounds and not state.rounds[0].attentive
 
 
 def test_a_leaving_node_lists_every_half_renewal_until_its_rounds_are_done() -> None:
