@@ -3,7 +3,7 @@ merging commits (included, missed, older, jumps), deferral, and closing."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -210,18 +210,32 @@ def test_samples_are_each_counted_once_whatever_the_commits_do(
     assert ledger.counted == [ledger.trained] * a.fragments
 
 
+def played(
+    ledger: Ledger, actions: Sequence[tuple[str, int, bool]], *, in_order: bool
+) -> Iterator[LearnerState]:
+    """The learner after each action, kept in ``ledger``: a step of ``value + 1`` samples (none
+    while held), or the delivery of a pending commit: the oldest, counted, with ``in_order``;
+    else the ``value``-th, counted as ``flag`` says."""
+    a = ledger.a
+    state = fresh(a)
+    for action, value, flag in actions:
+        if action == "step" and rules.waiting_on(state, a) is None:
+            state, effects = rules.step(state, a, value + 1)
+            ledger.take(state, effects)
+        elif action == "deliver" and ledger.pending:
+            pending = sorted(ledger.pending)
+            r, counted = (pending[0], True) if in_order else (pending[value % len(pending)], flag)
+            state = ledger.commit(state, r, counted)
+        yield state
+
+
 @given(schedules())
 def test_with_commits_in_round_order_rounds_are_published_in_increasing_order(
     case: tuple[DiLoCo, list[tuple[str, int, bool]]],
 ) -> None:
     a, actions = case
-    state, ledger = fresh(a), Ledger(a)
-    for action, value, _ in actions:
-        if action == "step" and rules.waiting_on(state, a) is None:
-            state, effects = rules.step(state, a, value + 1)
-            ledger.take(state, effects)
-        elif action == "deliver" and ledger.pending:
-            state = ledger.commit(state, min(ledger.pending), True)
+    ledger = Ledger(a)
+    for state in played(ledger, actions, in_order=True):
         # In round order no owed round lacks samples: a held node never steps past the bound.
         holding = rules._holding(state, a)
         assert not holding or rules.waiting_on(state, a) is not None
@@ -265,14 +279,7 @@ def test_a_held_node_owes_no_round_below_the_rounds_holding_it(
     # whether they count the node, a node that step() holds has published every round it owes
     # below the newest round holding it, so no round waits for a node that waits for it.
     a, actions = case
-    state, ledger = fresh(a), Ledger(a)
-    for action, value, flag in actions:
-        if action == "step" and rules.waiting_on(state, a) is None:
-            state, effects = rules.step(state, a, value + 1)
-            ledger.take(state, effects)
-        elif action == "deliver" and ledger.pending:
-            r = sorted(ledger.pending)[value % len(ledger.pending)]
-            state = ledger.commit(state, r, flag)
+    for state in played(Ledger(a), actions, in_order=False):
         if rules.waiting_on(state, a) is not None:
             newest = max(r for _, r, _ in rules._holding(state, a))
             owed = [
