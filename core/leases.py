@@ -133,6 +133,8 @@ def observe(
     seen = dict(leases.seen)
     for node, (version, left, nonce) in listing.items():
         old = seen.get(node)
+        if old is not None and old.version == version and (old.left, old.nonce) == (left, nonce):
+            continue  # unchanged: the same record, kept (most of every poll)
         changed_at = old.changed_at if old is not None and old.version == version else now
         seen[node] = Observed(version=version, left=left, nonce=nonce, changed_at=changed_at)
     return Leases(seen=tuple(sorted(seen.items())), polled_at=now)
@@ -338,7 +340,9 @@ def listed(
         renewed = renewal(node, was, md5, keyring, ahead) if was is not None else None
         if was is not None and renewed is not None:
             counter, left = renewed
-            updated[node] = attrs.evolve(was, version=version, counter=counter, left=left)
+            updated[node] = Known(  # attrs.evolve spelled out: every renewal of every lease
+                version=version, left=left, nonce=was.nonce, counter=counter, others=was.others
+            )
             listing[node] = (updated[node].record, left, was.nonce)
         else:
             waiting.append((node, version))

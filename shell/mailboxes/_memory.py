@@ -90,6 +90,7 @@ class _Entry:
     version: int
     written_at: float
     md5: str | None = None  # of objects up to MD5_LIMIT bytes, as S3's etag says it
+    info: ObjectInfo | None = None  # what a list reports of it, made once (entries never change)
 
 
 MD5_LIMIT = 64 * 1024
@@ -216,19 +217,21 @@ class MemoryMailbox:
         now = self._clock.now()
         infos = []
         with self._store.lock:
+            objects = self._store.objects
             for key in self._store.under(prefix, after):
-                entry = self._store.objects[key]
-                if self._hidden(key, entry, now):
+                entry = objects[key]
+                if self.faults.stale_list > 0 and self._hidden(key, entry, now):
                     continue
-                infos.append(
-                    ObjectInfo(
+                info = entry.info
+                if info is None:
+                    info = entry.info = ObjectInfo(
                         key=key,
                         size=len(entry.data),
                         version=str(entry.version),
                         modified=entry.written_at,
                         md5=entry.md5,
                     )
-                )
+                infos.append(info)
         self.stats.count("list")
         return infos
 
