@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -28,6 +28,7 @@ from gradientmail.adapters.arrays import ArrayBackend, plain_bytes, served
 from gradientmail.adapters.base import Tensors
 from gradientmail.core import fragments
 from gradientmail.core.tensors import (
+    DTYPES,
     F4_BLOCK,
     DType,
     ParameterSpec,
@@ -226,6 +227,19 @@ class TorchBackend(ArrayBackend):
 
     def _array(self, value: TensorBytes) -> torch.Tensor:
         return _from_bytes(value).to(self.device)
+
+    def read_tensor(
+        self, dtype: PayloadDType, shape: tuple[int, ...], fill: Callable[[memoryview], None]
+    ) -> torch.Tensor:
+        """A tensor of ``dtype`` (F32, F16 or BF16) and ``shape`` whose bytes ``fill`` writes
+        into the writable buffer it is handed: the new host tensor's own memory, so bytes read
+        from a file are copied once (``spill.SpilledBase``), never through a ``bytes`` object."""
+        if dtype not in DTYPES:
+            raise TypeError(f"read_tensor takes F32, F16 or BF16, not {dtype}")
+        host = torch.empty(shape, dtype=_TORCH[dtype])
+        if host.numel():
+            fill(host.reshape(-1).view(torch.uint8).numpy().data.cast("B"))
+        return host.to(self.device)
 
     def _plain_bytes(self, t: torch.Tensor) -> TensorBytes:
         return _to_bytes(t)

@@ -22,6 +22,7 @@ import os
 import tempfile
 import weakref
 from collections.abc import Iterator, Mapping
+from functools import partial
 from typing import Any
 
 import attrs
@@ -53,6 +54,9 @@ class SpilledBase(Mapping[str, Any]):
 
     def __getitem__(self, name: str) -> Any:
         entry = self._entries[name]
+        read_tensor = getattr(self._backend, "read_tensor", None)
+        if read_tensor is not None:  # read straight into the new tensor's memory
+            return read_tensor(entry.dtype, entry.shape, partial(self._fill, name, entry))
         parts = []
         done = 0
         while done < entry.size:  # one read, but for reads the kernel cuts short
@@ -64,6 +68,15 @@ class SpilledBase(Mapping[str, Any]):
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         value = TensorBytes(dtype=entry.dtype, shape=entry.shape, data=data)
         return self._backend.load({name: value})[name]
+
+    def _fill(self, name: str, entry: _Entry, buffer: memoryview) -> None:
+        """Read ``name``'s bytes into ``buffer`` (the file's read releases the GIL)."""
+        done = 0
+        while done < entry.size:  # one read, but for reads the kernel cuts short
+            read = os.preadv(self._fd, [buffer[done:]], entry.offset + done)
+            if not read:
+                raise OSError(f"the spilled base of {name!r} ended early")
+            done += read
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)

@@ -53,6 +53,27 @@ def test_a_spilled_base_reads_back_the_same_bytes_and_leaves_no_file(tmp_path: P
         os.fstat(fd)
 
 
+def test_a_spilled_base_cut_short_names_the_tensor_it_cannot_read(tmp_path: Path) -> None:
+    base = spill.spill(BACKEND, tensors(), str(tmp_path))
+    os.ftruncate(base._fd, 17 * 5 * 4 - 3)  # the file ends inside "a"
+    with pytest.raises(OSError, match="spilled base of 'a' ended early"):
+        base["a"]
+
+
+def test_a_spilled_tensor_is_read_into_its_own_memory(tmp_path: Path) -> None:
+    """The torch backend reads a spilled tensor straight into the new tensor (one copy): what
+    it returns owns its memory, and a second read is a second tensor."""
+    original = {"w": torch.randn(256, 1024)}
+    base = spill.spill(BACKEND, original, str(tmp_path))
+    first, second = base["w"], base["w"]
+    assert torch.equal(first, original["w"]) and torch.equal(second, original["w"])
+    assert first.data_ptr() != second.data_ptr()
+    first.add_(1.0)  # writable, and shared with nothing
+    assert torch.equal(second, original["w"])
+    with pytest.raises(TypeError, match="F8_E4M3"):
+        BACKEND.read_tensor("F8_E4M3", (4,), lambda buffer: None)
+
+
 def test_a_delta_from_a_spilled_base_is_the_in_memory_delta(tmp_path: Path) -> None:
     base = {"a": torch.randn(6, 4), "b": torch.randn(3)}
     local = {n: t + 0.25 for n, t in base.items()}
