@@ -128,6 +128,11 @@ class ArrayBackend(ArrayKernels):
                 )
         return payload, self._evaluated(residual)
 
+    def lend_plain(self, delta: Tensors) -> dict[str, TensorView]:
+        delta = {name: self._f32(t) for name, t in delta.items()}
+        self._refuse_nonfinite(delta)
+        return self.lend(delta)
+
     def decode(self, payload: Mapping[str, TensorBytes], schema: Schema) -> Tensors:
         layout = formats.payload_layout(payload, schema)
         out: Tensors = {}

@@ -86,6 +86,12 @@ class Backend(Protocol):
         Raises ``NonFinite`` naming the tensors that hold NaN or Inf."""
         ...
 
+    def lend_plain(self, delta: Tensors) -> dict[str, TensorView]:
+        """``encode(delta, None)``'s payload without the copy: ``lend``'s views of the F32
+        ``delta``, valid while no one writes it (a snapshot is written before its delta is
+        summed). Raises ``NonFinite`` naming the tensors that hold NaN or Inf."""
+        ...
+
     def decode(self, payload: Mapping[str, TensorBytes], schema: Schema) -> Tensors:
         """F32 deltas for every parameter of ``schema`` from a payload in any of the layouts
         (plain F32/F16/BF16, F8_E4M3 or F4 with scales). Raises ``SchemaMismatch`` naming the

@@ -176,6 +176,12 @@ class FloatBackend:
         }
         return payload, residual
 
+    def lend_plain(self, delta: Tensors) -> dict[str, TensorView]:
+        bad = sorted(n for n, t in delta.items() if not all(map(math.isfinite, t.values)))
+        if bad:
+            raise NonFinite(bad)
+        return self.lend(delta)
+
     def decode(self, payload: Mapping[str, TensorBytes], schema: Schema) -> Tensors:
         problems = {
             s.name: "missing, or not an F32 tensor of the parameter's shape"

@@ -8,7 +8,7 @@ about I/O: which request, and how its outcome is reported back as a result.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from gradientmail._events import Callback, Published, Rejected
@@ -42,7 +42,7 @@ from gradientmail.core.envelope import payload_digest
 from gradientmail.core.errors import NonFinite, RejectedObject, SchemaMismatch
 from gradientmail.core.records import Commit, Manifest, Snapshot
 from gradientmail.core.robust import snapshot_bound
-from gradientmail.core.tensors import TensorBytes
+from gradientmail.core.tensors import TensorBytes, Tensorish
 from gradientmail.mailboxes._protocol import data_size
 
 __all__ = ["LearnerLoop", "read_commit", "read_params"]
@@ -137,9 +137,17 @@ class LearnerLoop(Loop[polling.PollState]):
         publish, k = job.publish, job.publish.fragment
         self._backend.ready(job.captured)
         delta = spill.delta(self._backend, job.base, job.captured, self._residual[k])
-        payload, residual = self._backend.encode(delta, self._algorithm.quantization)
-        if self._algorithm.quantization is not None:
-            self._residual[k] = residual
+        quantization = self._algorithm.quantization
+        # An unquantized delta goes to this node's closer as tensors (``_watch``), so its
+        # payload is lent (the delta is unchanged until written) and the exchange need not
+        # remember its bytes; a quantized payload is remembered for this node's closer.
+        payload: Mapping[str, Tensorish]
+        remembered: dict[str, TensorBytes] | None = None
+        if quantization is None:
+            payload = self._backend.lend_plain(delta)
+        else:
+            remembered, self._residual[k] = self._backend.encode(delta, quantization)
+            payload = remembered
         data = compress_parts(payload, self._compression)
         snapshot = Snapshot(
             node=self.settings.node,
@@ -150,9 +158,6 @@ class LearnerLoop(Loop[polling.PollState]):
             steps=publish.steps,
             digest=payload_digest(data),
         )
-        # An unquantized delta goes to this node's closer as tensors (``_watch``): the
-        # exchange need not remember the payload's bytes as well.
-        remembered = payload if self._algorithm.quantization is not None else None
         schema = self._manifest.fragment_schema(k)
         created = await self._exchange.publish(
             snapshot, data, self._compression, remembered, bound=snapshot_bound(schema)

@@ -207,6 +207,22 @@ def test_encode_refuses_nan_and_inf_naming_the_tensors(fw: Any, quantization: An
     assert caught.value.names == ("a", "c", "d")
 
 
+def test_lend_plain_is_the_unquantized_payload_uncopied(fw: Any) -> None:
+    """``lend_plain`` gives ``encode(delta, None)``'s bytes, as views of the delta, and refuses
+    NaN and Inf by name as ``encode`` does."""
+    delta = {"a": fw.tensor(np.arange(6, dtype=np.float32).reshape(2, 3)), "b": fw.tensor(0.5)}
+    payload, _ = fw.backend.encode(delta, None)
+    lent = fw.backend.lend_plain(delta)
+    assert sorted(lent) == sorted(payload)
+    for name, value in payload.items():
+        assert (lent[name].dtype, lent[name].shape) == (value.dtype, value.shape)
+        assert bytes(lent[name].data) == value.data
+    bad = {"a": fw.tensor([1.0, np.nan]), "b": fw.tensor([2.0]), "c": fw.tensor(np.inf)}
+    with pytest.raises(NonFinite) as caught:
+        fw.backend.lend_plain(bad)
+    assert caught.value.names == ("a", "c")
+
+
 def _f4_payload(codes: list[int], scale: int) -> dict[str, TensorBytes]:
     nibbles = np.zeros(32, np.uint8)
     nibbles[: len(codes)] = codes

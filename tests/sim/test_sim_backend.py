@@ -116,6 +116,11 @@ def test_bad_input_raises_naming_what_is_wrong() -> None:
     bad = {n: Vector.of(v.shape, [math.nan] * len(v.values)) for n, v in fb.items()}
     with pytest.raises(NonFinite):
         backend.encode(bad, None)
+    with pytest.raises(NonFinite):
+        backend.lend_plain(bad)
+    assert {n: bytes(v.data) for n, v in backend.lend_plain(fb).items()} == {
+        n: v.data for n, v in backend.encode(fb, None)[0].items()
+    }
     schema = Schema.of([])
     with pytest.raises(SchemaMismatch):
         backend.decode(tensors(0), schema)
