@@ -56,6 +56,23 @@ _MISSING = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
 _DIRECTORY_ATTEMPTS = 8
 
 _T = TypeVar("_T")
+
+OFFLOADED_WRITE = 4 * 2**20
+"""Writes of at least this many bytes run on asyncio's thread pool even without ``offload``:
+the hand-off is nothing beside the write, and a loop that writes two payloads at once
+(``Clock.gather``: a closer's parameters and outer state) then writes them side by side."""
+
+
+def _in_event_loop() -> bool:
+    """Whether the caller runs on an event loop (one that can await a thread); a coroutine that
+    ``run_sync`` drives has none."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 _Listing = list[ObjectInfo]  # spelled out here: inside the class, `list` is the method
 
 
@@ -74,10 +91,12 @@ class DirectoryMailbox:
             returns (on by default; off only for throwaway test mailboxes).
         offload: run each file operation in asyncio's default thread pool, so that the event
             loop runs other tasks meanwhile. Off by default: the file operations then run on
-            the calling thread and the coroutines return without yielding. A node's loops are
-            sequential (each awaits one request at a time on its own thread), so a thread hop
-            buys them nothing and costs CPU on every request (docs/decisions.md, "Directory
-            requests run on the caller's thread").
+            the calling thread and the coroutines return without yielding, except writes of
+            ``OFFLOADED_WRITE`` bytes or more, which run on the pool (so two payloads awaited
+            together are written side by side). A node's loops await their small requests
+            one at a time on their own threads, so a thread hop buys those nothing and costs
+            CPU on every request (docs/decisions.md, "Directory requests run on the caller's
+            thread").
 
     ``put`` and ``create`` take ``Data`` in parts (``takes_parts``): each part is written to the
     temporary file in turn, so a payload is never joined into one copy to be written.
@@ -113,13 +132,17 @@ class DirectoryMailbox:
 
     async def put(self, key: str, data: Data, *, durable: bool = True) -> None:
         path = self._path(key, "put")
-        self.stats.count("put", bytes_out=data_size(data))
-        await self._run("put", key, self._replace, path, data, self._fsync and durable)
+        size = data_size(data)
+        self.stats.count("put", bytes_out=size)
+        await self._run("put", key, self._replace, path, data, self._fsync and durable, size=size)
 
     async def create(self, key: str, data: Data, *, durable: bool = True) -> bool:
         path = self._path(key, "create")
-        self.stats.count("create", bytes_out=data_size(data))
-        return await self._run("create", key, self._link, path, data, self._fsync and durable)
+        size = data_size(data)
+        self.stats.count("create", bytes_out=size)
+        return await self._run(
+            "create", key, self._link, path, data, self._fsync and durable, size=size
+        )
 
     async def delete(self, key: str) -> None:
         path = self._path(key, "delete")
@@ -143,10 +166,10 @@ class DirectoryMailbox:
         return f"{self._root}/{key}"
 
     async def _run(
-        self, operation: str, key: str, function: Callable[..., _T], *args: object
+        self, operation: str, key: str, function: Callable[..., _T], *args: object, size: int = 0
     ) -> _T:
         try:
-            if self._offload:
+            if (self._offload or size >= OFFLOADED_WRITE) and _in_event_loop():
                 return await asyncio.to_thread(function, *args)
             return function(*args)
         except _KeyConflict as error:

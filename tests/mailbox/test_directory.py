@@ -8,12 +8,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from gradientmail.mailboxes._directory import TEMP_PREFIX, DirectoryMailbox
+from gradientmail._clock import run_sync
+from gradientmail.mailboxes._directory import OFFLOADED_WRITE, TEMP_PREFIX, DirectoryMailbox
 from gradientmail.mailboxes._protocol import MailboxError, ObjectInfo
 
 RACER = """
@@ -202,3 +204,41 @@ def test_opening_and_reading_a_missing_directory_creates_nothing(tmp_path: Path)
     assert not (tmp_path / "no").exists()
     asyncio.run(mailbox.create("rounds/a", b"x"))
     assert (missing / "rounds" / "a").read_bytes() == b"x"
+
+
+class _Parts(list[bytes]):
+    """Parts of a put that note the thread that writes them."""
+
+    def __init__(self, parts: list[bytes]) -> None:
+        super().__init__(parts)
+        self.threads: list[str] = []
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        self.threads.append(threading.current_thread().name)
+        return super().__iter__()
+
+
+def test_large_writes_run_beside_the_loop_and_small_ones_on_it(tmp_path: Path) -> None:
+    """A write of ``OFFLOADED_WRITE`` bytes or more runs on asyncio's thread pool, so two of
+    them awaited together are written side by side; smaller writes, and any write of a
+    coroutine driven without an event loop (``run_sync``), run on the caller's thread."""
+    mailbox = DirectoryMailbox(tmp_path / "mailbox", fsync=False)
+    large = [_Parts([bytes([i]) * (OFFLOADED_WRITE // 2)] * 2) for i in range(2)]
+    small = _Parts([b"x" * 1024])
+
+    async def write() -> None:
+        await asyncio.gather(
+            mailbox.put("rounds/1/params", large[0]), mailbox.create("rounds/1/state", large[1])
+        )
+        await mailbox.put("rounds/1/small", small)
+
+    asyncio.run(write())
+    here = threading.current_thread().name
+    assert all(p.threads and p.threads[-1] != here for p in large)  # the last: the write
+    assert small.threads and set(small.threads) == {here}
+    for i, key in enumerate(["rounds/1/params", "rounds/1/state"]):
+        assert asyncio.run(mailbox.get(key)) == bytes([i]) * OFFLOADED_WRITE
+    driven = _Parts([b"y" * OFFLOADED_WRITE])
+    run_sync(mailbox.put("rounds/2/params", driven))
+    assert driven.threads and set(driven.threads) == {here}
+    assert asyncio.run(mailbox.get("rounds/2/params")) == b"y" * OFFLOADED_WRITE
