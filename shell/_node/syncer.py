@@ -381,9 +381,9 @@ class SyncerLoop(Loop[syncer.SyncerState]):
         commit = committed.commit
         work = self._work_of(commit.round)
         assert work.stepped is not None and work.params is not None
-        self._keep_state(commit, *work.stepped, work.params)
-        work.stepped = None  # kept (or not) by now
-        release_memory()  # the step's temporaries are spent
+        # The commit stands: the learner and the callbacks hear of it first, and the outer
+        # state is kept after (in a file when the learner spills: a write of the fragment's
+        # momentum that the merge need not wait for).
         self._learner.put(committed)
         self._on_event(
             Committed(
@@ -396,6 +396,9 @@ class SyncerLoop(Loop[syncer.SyncerState]):
                 seconds=committed.seconds,
             )
         )
+        self._keep_state(commit, *work.stepped, work.params)
+        work.stepped = None  # kept (or not) by now
+        release_memory()  # the step's temporaries are spent
 
     def _keep_state(
         self, commit: Commit, master: Tensors, momentum: Tensors, params: Tensors
