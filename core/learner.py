@@ -158,7 +158,8 @@ def waiting_on(state: LearnerState, algorithm: DiLoCo) -> Blocked | None:
     steps ago whose commit has not been merged, unless the node owes a round below it that it
     has not trained for yet (``_owes_untrained``: one more step lets it publish that round)."""
     holding = _holding(state, algorithm)
-    if holding and _owes_untrained(state, algorithm, max(r for _, r, _ in holding)):
+    newest = _newest(holding)
+    if newest is not None and _owes_untrained(state, algorithm, newest):
         return None
     for k, r, at in holding:
         return Blocked(
@@ -201,6 +202,11 @@ def _holding(state: LearnerState, algorithm: DiLoCo) -> list[tuple[int, int, int
         and f.published_at is not None
         and state.step - f.published_at >= bound
     ]
+
+
+def _newest(holding: list[tuple[int, int, int]]) -> int | None:
+    """The newest round among ``_holding``'s, or None when none holds the node."""
+    return max((r for _, r, _ in holding), default=None)
 
 
 def on_commit(
@@ -325,10 +331,9 @@ def _publish_owed(
     round comes before the newest round holding the node, smallest round first. Such a
     publication is bounded like a slot's: the node is held anyway, and it keeps every snapshot
     in flight within the bound."""
-    held = [r for _, r, _ in _holding(state, algorithm)]
-    if state.closing or not held:
+    newest = _newest(_holding(state, algorithm))
+    if state.closing or newest is None:
         return state, effects
-    newest = max(held)
     owed = sorted(
         (next_round(algorithm, k, f.merged), k)
         for k, f in enumerate(state.fragments)
