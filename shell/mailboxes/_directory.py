@@ -57,10 +57,12 @@ _DIRECTORY_ATTEMPTS = 8
 
 _T = TypeVar("_T")
 
-OFFLOADED_WRITE = 4 * 2**20
-"""Writes of at least this many bytes run on asyncio's thread pool even without ``offload``:
-the hand-off is nothing beside the write, and a loop that writes two payloads at once
-(``Clock.gather``: a closer's parameters and outer state) then writes them side by side."""
+OFFLOADED_BYTES = 4 * 2**20
+"""Writes of at least this many bytes, and reads whose ``limit`` allows that many, run on
+asyncio's thread pool even without ``offload``: the hand-off is nothing beside such a request,
+and a loop that awaits two at once (``Clock.gather``: a closer's parameters and outer state, or
+the snapshots it fetches ahead) then has them carried out side by side. Reads of records, whose
+limits are small, and reads without a limit stay on the caller's thread."""
 
 
 def _in_event_loop() -> bool:
@@ -92,11 +94,11 @@ class DirectoryMailbox:
         offload: run each file operation in asyncio's default thread pool, so that the event
             loop runs other tasks meanwhile. Off by default: the file operations then run on
             the calling thread and the coroutines return without yielding, except writes of
-            ``OFFLOADED_WRITE`` bytes or more, which run on the pool (so two payloads awaited
-            together are written side by side). A node's loops await their small requests
-            one at a time on their own threads, so a thread hop buys those nothing and costs
-            CPU on every request (docs/decisions.md, "Directory requests run on the caller's
-            thread").
+            ``OFFLOADED_BYTES`` bytes or more and reads limited to that many or more, which
+            run on the pool (so two payloads awaited together move side by side). A node's
+            loops await their small requests one at a time on their own threads, so a thread
+            hop buys those nothing and costs CPU on every request (docs/decisions.md,
+            "Directory requests run on the caller's thread").
 
     ``put`` and ``create`` take ``Data`` in parts (``takes_parts``): each part is written to the
     temporary file in turn, so a payload is never joined into one copy to be written.
@@ -123,7 +125,7 @@ class DirectoryMailbox:
 
     async def get(self, key: str, *, limit: int | None = None) -> bytes | None:
         path = self._path(key, "get")
-        data = await self._run("get", key, _read_file, path, limit)
+        data = await self._run("get", key, _read_file, path, limit, size=limit or 0)
         if isinstance(data, int):
             self.stats.count("get")
             raise TooLarge(store=self.url, key=key, size=data, limit=limit or 0)
@@ -169,7 +171,7 @@ class DirectoryMailbox:
         self, operation: str, key: str, function: Callable[..., _T], *args: object, size: int = 0
     ) -> _T:
         try:
-            if (self._offload or size >= OFFLOADED_WRITE) and _in_event_loop():
+            if (self._offload or size >= OFFLOADED_BYTES) and _in_event_loop():
                 return await asyncio.to_thread(function, *args)
             return function(*args)
         except _KeyConflict as error:

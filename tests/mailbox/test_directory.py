@@ -11,11 +11,12 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from gradientmail._clock import run_sync
-from gradientmail.mailboxes._directory import OFFLOADED_WRITE, TEMP_PREFIX, DirectoryMailbox
+from gradientmail.mailboxes._directory import OFFLOADED_BYTES, TEMP_PREFIX, DirectoryMailbox
 from gradientmail.mailboxes._protocol import MailboxError, ObjectInfo
 
 RACER = """
@@ -219,11 +220,11 @@ class _Parts(list[bytes]):
 
 
 def test_large_writes_run_beside_the_loop_and_small_ones_on_it(tmp_path: Path) -> None:
-    """A write of ``OFFLOADED_WRITE`` bytes or more runs on asyncio's thread pool, so two of
+    """A write of ``OFFLOADED_BYTES`` bytes or more runs on asyncio's thread pool, so two of
     them awaited together are written side by side; smaller writes, and any write of a
     coroutine driven without an event loop (``run_sync``), run on the caller's thread."""
     mailbox = DirectoryMailbox(tmp_path / "mailbox", fsync=False)
-    large = [_Parts([bytes([i]) * (OFFLOADED_WRITE // 2)] * 2) for i in range(2)]
+    large = [_Parts([bytes([i]) * (OFFLOADED_BYTES // 2)] * 2) for i in range(2)]
     small = _Parts([b"x" * 1024])
 
     async def write() -> None:
@@ -237,8 +238,42 @@ def test_large_writes_run_beside_the_loop_and_small_ones_on_it(tmp_path: Path) -
     assert all(p.threads and p.threads[-1] != here for p in large)  # the last: the write
     assert small.threads and set(small.threads) == {here}
     for i, key in enumerate(["rounds/1/params", "rounds/1/state"]):
-        assert asyncio.run(mailbox.get(key)) == bytes([i]) * OFFLOADED_WRITE
-    driven = _Parts([b"y" * OFFLOADED_WRITE])
+        assert asyncio.run(mailbox.get(key)) == bytes([i]) * OFFLOADED_BYTES
+    driven = _Parts([b"y" * OFFLOADED_BYTES])
     run_sync(mailbox.put("rounds/2/params", driven))
     assert driven.threads and set(driven.threads) == {here}
-    assert asyncio.run(mailbox.get("rounds/2/params")) == b"y" * OFFLOADED_WRITE
+    assert asyncio.run(mailbox.get("rounds/2/params")) == b"y" * OFFLOADED_BYTES
+
+
+def test_reads_limited_to_large_sizes_run_beside_the_loop(tmp_path: Path) -> None:
+    """A get whose ``limit`` allows ``OFFLOADED_BYTES`` or more (a snapshot or payload read)
+    runs on the thread pool; a record's small limit, or none, keeps it on the caller's thread.
+    Observed with a profile hook on every thread, which replaces nothing."""
+    mailbox = DirectoryMailbox(tmp_path / "mailbox", fsync=False)
+    asyncio.run(mailbox.put("rounds/1/a", b"a" * 100))
+    asyncio.run(mailbox.put("rounds/1/b", b"b" * 100))
+    seen: list[tuple[str, str]] = []
+
+    def profile(frame: Any, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code.co_name == "_read_file":
+            seen.append(
+                (frame.f_locals["path"].rsplit("/", 1)[-1], threading.current_thread().name)
+            )
+
+    async def read() -> list[bytes | None]:
+        big = [mailbox.get(k, limit=OFFLOADED_BYTES) for k in ("rounds/1/a", "rounds/1/b")]
+        return [*await asyncio.gather(*big), await mailbox.get("rounds/1/a", limit=1024)]
+
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+    try:
+        found = asyncio.run(read())
+        unlimited = asyncio.run(mailbox.get("rounds/1/b"))
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+    assert found == [b"a" * 100, b"b" * 100, b"a" * 100] and unlimited == b"b" * 100
+    here = threading.current_thread().name
+    assert len(seen) == 4
+    assert all(thread != here for _, thread in seen[:2]), seen
+    assert [thread for _, thread in seen[2:]] == [here, here], seen
