@@ -34,6 +34,10 @@ from gradientmail.core.tensors import PayloadDType, TensorBytes
 __all__ = ["Base", "SpilledBase", "delta", "outer_step", "spill", "spills"]
 
 
+_PREADV = getattr(os, "preadv", None)
+"""``os.preadv``, where the system has it (Linux, the BSDs; not every macOS build)."""
+
+
 @attrs.frozen
 class _Entry:
     dtype: PayloadDType
@@ -70,10 +74,17 @@ class SpilledBase(Mapping[str, Any]):
         return self._backend.load({name: value})[name]
 
     def _fill(self, name: str, entry: _Entry, buffer: memoryview) -> None:
-        """Read ``name``'s bytes into ``buffer`` (the file's read releases the GIL)."""
+        """Read ``name``'s bytes into ``buffer`` (the file's read releases the GIL); where the
+        system has no ``preadv``, through ``pread``'s bytes."""
         done = 0
         while done < entry.size:  # one read, but for reads the kernel cuts short
-            read = os.preadv(self._fd, [buffer[done:]], entry.offset + done)
+            at = entry.offset + done
+            if _PREADV is not None:
+                read = _PREADV(self._fd, [buffer[done:]], at)
+            else:
+                part = os.pread(self._fd, entry.size - done, at)
+                read = len(part)
+                buffer[done : done + read] = part
             if not read:
                 raise OSError(f"the spilled base of {name!r} ended early")
             done += read

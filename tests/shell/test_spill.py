@@ -60,9 +60,14 @@ def test_a_spilled_base_cut_short_names_the_tensor_it_cannot_read(tmp_path: Path
         base["a"]
 
 
-def test_a_spilled_tensor_is_read_into_its_own_memory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("preadv", [True, False], ids=["preadv", "pread"])
+def test_a_spilled_tensor_is_read_into_its_own_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, preadv: bool
+) -> None:
     """The torch backend reads a spilled tensor straight into the new tensor (one copy): what
     it returns owns its memory, and a second read is a second tensor."""
+    if not preadv:  # a system without os.preadv (some macOS builds)
+        monkeypatch.setattr(spill, "_PREADV", None)
     original = {"w": torch.randn(256, 1024)}
     base = spill.spill(BACKEND, original, str(tmp_path))
     first, second = base["w"], base["w"]
