@@ -111,6 +111,13 @@ class FloatModel:
             raise SchemaMismatch([name], "not a parameter of the model") from None
 
 
+def _refuse_nonfinite(tensors: Tensors) -> None:
+    """Raise ``NonFinite`` naming the tensors that hold NaN or Inf."""
+    bad = sorted(n for n, t in tensors.items() if not all(map(math.isfinite, t.values)))
+    if bad:
+        raise NonFinite(bad)
+
+
 def _f32(x: float) -> float:
     """``x`` rounded to the nearest F32 (what storing into ``array('f')`` does)."""
     return array("f", (x,))[0]
@@ -167,9 +174,7 @@ class FloatBackend:
                 f"the float backend exchanges F32 deltas only, not {quantization}; "
                 "simulate quantized runs with the torch backend"
             )
-        bad = sorted(n for n, t in delta.items() if not all(map(math.isfinite, t.values)))
-        if bad:
-            raise NonFinite(bad)
+        _refuse_nonfinite(delta)
         payload = {n: _vector(t).to_bytes() for n, t in delta.items()}
         residual = {
             n: Vector(t.shape, array("f", bytes(4 * len(t.values)))) for n, t in delta.items()
@@ -177,9 +182,7 @@ class FloatBackend:
         return payload, residual
 
     def lend_plain(self, delta: Tensors) -> dict[str, TensorView]:
-        bad = sorted(n for n, t in delta.items() if not all(map(math.isfinite, t.values)))
-        if bad:
-            raise NonFinite(bad)
+        _refuse_nonfinite(delta)
         return self.lend(delta)
 
     def decode(self, payload: Mapping[str, TensorBytes], schema: Schema) -> Tensors:
@@ -192,9 +195,7 @@ class FloatBackend:
         if problems:
             raise SchemaMismatch(problems, "float backend: payload does not match the schema")
         out = {s.name: Vector.from_bytes(s.name, payload[s.name]) for s in schema.parameters}
-        bad = sorted(n for n, t in out.items() if not all(map(math.isfinite, t.values)))
-        if bad:
-            raise NonFinite(bad)
+        _refuse_nonfinite(out)
         return out
 
     def average(self, weighted: Sequence[tuple[float, Tensors]]) -> Tensors:
