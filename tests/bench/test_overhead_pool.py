@@ -12,7 +12,13 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "overhead.py"
 
 
-def sitting(path: Path, session: list[float], plain: list[float], **setting: object) -> Path:
+def sitting(
+    path: Path,
+    session: list[float],
+    plain: list[float],
+    cpu: dict[str, list[float]] | None = None,
+    **setting: object,
+) -> Path:
     described = {
         "inner_steps": 20,
         "fragments": 4,
@@ -24,6 +30,7 @@ def sitting(path: Path, session: list[float], plain: list[float], **setting: obj
     }
     steps, rounds = 10 * len(plain), 2 * len(plain)  # two slots of 5 steps a pair at H=20
     pairs = {"session": session, "plain": plain, "steps": steps, "rounds": rounds, "comm_cpu": 0.1}
+    pairs |= cpu or {}  # sittings saved before the CPU halves were measured have none
     path.write_text(json.dumps({"setting": described, "pairs": pairs}))
     return path
 
@@ -63,3 +70,38 @@ def test_sittings_of_different_settings_do_not_pool(tmp_path: Path) -> None:
     assert done.returncode != 0
     assert "settings differ" in done.stderr
     assert f"{b} has inner_steps=50 where {a} has inner_steps=20" in done.stderr
+
+
+def test_pooled_cpu_per_round_splits_this_process_from_the_rest_of_the_machine(
+    tmp_path: Path,
+) -> None:
+    a = sitting(
+        tmp_path / "a.json",
+        [1.2, 1.1],
+        [1.0, 1.0],
+        cpu={"process_cpu": [4.0, 3.0], "machine_cpu": [4.5, 3.1]},
+    )
+    b = sitting(
+        tmp_path / "b.json",
+        [1.3],
+        [1.1],
+        cpu={"process_cpu": [2.5, 2.0], "machine_cpu": [3.0, 2.1]},
+    )
+    done = pool(a, b)
+    assert done.returncode == 0, done.stderr
+    rounds = 6  # two a pair
+    own = (4.0 + 2.5 - 3.0 - 2.0) / rounds
+    rest = (4.5 + 3.0 - 3.1 - 2.1) / rounds - own
+    lost = (1.2 + 1.1 + 1.3 - 1.0 - 1.0 - 1.1) / rounds
+    threads = 0.2 / rounds  # comm_cpu 0.1 a sitting
+    note = next(line for line in done.stdout.splitlines() if line.startswith("CPU per closed"))
+    assert f"this process {1000 * own:+.0f} ms" in note
+    assert f"the rest of the machine {1000 * rest:+.0f} ms" in note
+    assert f"threads used {1000 * threads:.0f} ms a round" in note
+    assert f"training lost {1000 * lost:.0f} ms" in note
+
+
+def test_sittings_without_cpu_halves_print_no_cpu_line(tmp_path: Path) -> None:
+    done = pool(sitting(tmp_path / "a.json", [1.1], [1.0]))
+    assert done.returncode == 0, done.stderr
+    assert "CPU per closed round" not in done.stdout
