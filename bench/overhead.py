@@ -123,15 +123,20 @@ class Pairs:
 
     @classmethod
     def pooled(cls, sittings: Sequence[Pairs]) -> Pairs:
-        """Sittings taken together: every pair of each, their steps, rounds and CPU summed."""
+        """Sittings taken together: every pair of each, their steps, rounds and CPU summed (the
+        CPU halves only where every sitting measured them: a sum over some of the sittings
+        would be divided by the rounds of all)."""
+        measured = all(p.machine_cpu != (0.0, 0.0) for p in sittings)
+        none = [((0.0, 0.0), (0.0, 0.0))]
+        halves = [(p.process_cpu, p.machine_cpu) for p in sittings] if measured else none
         return cls(
             session=tuple(t for p in sittings for t in p.session),
             plain=tuple(t for p in sittings for t in p.plain),
             steps=sum(p.steps for p in sittings),
             rounds=sum(p.rounds for p in sittings),
             comm_cpu=sum(p.comm_cpu for p in sittings),
-            process_cpu=_summed(p.process_cpu for p in sittings),
-            machine_cpu=_summed(p.machine_cpu for p in sittings),
+            process_cpu=_summed(own for own, _ in halves),
+            machine_cpu=_summed(machine for _, machine in halves),
         )
 
 

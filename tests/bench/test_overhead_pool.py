@@ -105,3 +105,13 @@ def test_sittings_without_cpu_halves_print_no_cpu_line(tmp_path: Path) -> None:
     done = pool(sitting(tmp_path / "a.json", [1.1], [1.0]))
     assert done.returncode == 0, done.stderr
     assert "CPU per closed round" not in done.stdout
+
+
+def test_a_sitting_without_cpu_halves_leaves_the_pool_without_a_cpu_line(tmp_path: Path) -> None:
+    # Summing the one sitting's CPU over both sittings' rounds would halve it.
+    cpu = {"process_cpu": [4.0, 3.0], "machine_cpu": [4.5, 3.1]}
+    a = sitting(tmp_path / "a.json", [1.2], [1.0], cpu=cpu)
+    b = sitting(tmp_path / "b.json", [1.3], [1.1])
+    done = pool(a, b)
+    assert done.returncode == 0, done.stderr
+    assert "CPU per closed round" not in done.stdout
