@@ -98,7 +98,7 @@ class ArrayBackend(ArrayKernels):
         return self._evaluated(out)
 
     def encode(
-        self, delta: Tensors, quantization: Quantized | None
+        self, delta: Tensors, quantization: Quantized | None, *, owned: bool = False
     ) -> tuple[dict[str, TensorBytes], Tensors]:
         delta = {name: self._f32(t) for name, t in delta.items()}
         payload: dict[str, TensorBytes] = {}
@@ -115,7 +115,9 @@ class ArrayBackend(ArrayKernels):
         self._refuse_nonfinite(self._evaluated(peaks))
         with self._workspace():
             for name, x in delta.items():
-                encoded, scales, residual[name] = self._quantize(quantization, x, peaks[name])
+                encoded, scales, residual[name] = self._quantize(
+                    quantization, x, peaks[name], owned
+                )
                 n = numel(x)
                 shape = (n + (-n) % F4_BLOCK,) if quantization == "F4" else tuple(x.shape)
                 payload[name] = TensorBytes(

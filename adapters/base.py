@@ -79,11 +79,14 @@ class Backend(Protocol):
         ...
 
     def encode(
-        self, delta: Tensors, quantization: Quantized | None
+        self, delta: Tensors, quantization: Quantized | None, *, owned: bool = False
     ) -> tuple[dict[str, TensorBytes], Tensors]:
         """The payload of an F32 ``delta``, quantized when asked (``quantized_specs`` layout),
         and the residual ``delta - decode(payload)`` for error feedback (zeros when exact).
-        Raises ``NonFinite`` naming the tensors that hold NaN or Inf."""
+        ``owned``: the caller gives ``delta`` up, and a quantized residual may be written
+        into its memory (torch does: no second F32 copy of the fragment), so ``delta`` must not
+        be read afterwards. Raises ``NonFinite`` naming the tensors that hold NaN or Inf,
+        before any tensor is written."""
         ...
 
     def lend_plain(self, delta: Tensors) -> dict[str, TensorView]:

@@ -48,15 +48,15 @@ class ArrayKernels(ABC):
         return self._padded(x.reshape(-1), (-n) % F4_BLOCK).reshape(-1, F4_BLOCK)
 
     def _quantize(
-        self, quantization: Quantized, x: Array, peaks: Array
+        self, quantization: Quantized, x: Array, peaks: Array, owned: bool = False
     ) -> tuple[Array, Array, Array]:
         """The codes, the scales and the residual ``x - decoded`` of the F32 ``x``, whose
-        ``_peaks`` are ``peaks``."""
+        ``_peaks`` are ``peaks``; ``owned``: the residual may be written into ``x``."""
         if quantization == "F8_E4M3":
-            return self._quantize_f8(x, peaks)
-        return self._quantize_f4(x, peaks)
+            return self._quantize_f8(x, peaks, owned)
+        return self._quantize_f4(x, peaks, owned)
 
-    def _quantize_f8(self, x: Array, amax: Array) -> tuple[Array, Array, Array]:
+    def _quantize_f8(self, x: Array, amax: Array, owned: bool) -> tuple[Array, Array, Array]:
         bits = self._bits(amax)
         # ``formats.f8_scale_exponent`` from the bits of amax: the smallest ``k`` with
         # ``amax <= 448 * 2**k``, at least -126. A mantissa beyond 1.75 (448 = 1.75 * 2**8)
@@ -68,29 +68,34 @@ class ArrayKernels(ABC):
         limit = self._where(
             k >= formats.E4M3_TOP_EXPONENT, formats.E4M3_TOP_LIMIT, formats.E4M3_MAX
         )
-        codes, residual = self._round_f8(x, inverse, limit, scale)
+        codes, residual = self._round_f8(x, inverse, limit, scale, owned)
         return codes, scale, residual
 
-    def _quantize_f4(self, x: Array, amax_rows: Array) -> tuple[Array, Array, Array]:
+    def _quantize_f4(self, x: Array, amax_rows: Array, owned: bool) -> tuple[Array, Array, Array]:
         biased = (self._bits(amax_rows) >> 23) & 0xFF
         exponents = self._at_least(biased - 2, 0)
         inverse = self._from_bits((254 - exponents) << 23)
         exponents = self._uint8(exponents)
-        packed, residual = self._round_f4(x, inverse, self._lookup(formats.E8M0_VALUES, exponents))
+        scales = self._lookup(formats.E8M0_VALUES, exponents)
+        packed, residual = self._round_f4(x, inverse, scales, owned)
         return packed, exponents, residual
 
     def _round_f8(
-        self, x: Array, inverse: Array, limit: Array, scale: Array
+        self, x: Array, inverse: Array, limit: Array, scale: Array, owned: bool = False
     ) -> tuple[Array, Array]:
         """The F8_E4M3 codes of ``x * inverse`` saturated to ±``limit``, and the residual
         ``x - decoded`` (decoded: a code's value times ``scale``); 0-d F32 ``inverse``,
-        ``limit`` and ``scale``."""
+        ``limit`` and ``scale``. ``owned``: ``x`` is spent, and a backend that writes in place
+        may leave the residual in its memory (these default steps make new arrays)."""
         codes = self._to_e4m3(self._clip(x * inverse, -limit, limit))
         return codes, x - self._from_e4m3(codes) * scale
 
-    def _round_f4(self, x: Array, inverse: Array, scales: Array) -> tuple[Array, Array]:
+    def _round_f4(
+        self, x: Array, inverse: Array, scales: Array, owned: bool = False
+    ) -> tuple[Array, Array]:
         """The packed E2M1 codes of ``_blocks(x)`` times ``inverse`` by block, and the
-        residual ``x - decoded`` (decoded: a code's value times its block's F32 ``scales``)."""
+        residual ``x - decoded`` (decoded: a code's value times its block's F32 ``scales``);
+        ``owned`` as for ``_round_f8``."""
         n = numel(x)
         scaled = self._blocks(x) * inverse[:, None]
         magnitude = scaled.abs()

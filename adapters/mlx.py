@@ -268,7 +268,9 @@ class MLXBackend(ArrayBackend):
     def _lookup(self, table: tuple[float, ...], indices: Any) -> Any:
         return mx.take(mx.array(table, mx.float32), indices)
 
-    def _round_f4(self, x: Any, inverse: Any, scales: Any) -> tuple[Any, Any]:
+    def _round_f4(
+        self, x: Any, inverse: Any, scales: Any, owned: bool = False
+    ) -> tuple[Any, Any]:  # MLX arrays are immutable: ``owned`` changes nothing
         n = x.size
         packed, residual = _round_f4_rows(self._blocks(x), inverse[:, None], scales[:, None])
         residual = residual.reshape(-1)

@@ -81,10 +81,11 @@ _F4_PAIRS = np.array(
 
 
 class _Scratch(threading.local):
-    """A thread's int32 index buffer, kept while an ``encode`` or ``decode`` runs."""
+    """A thread's scratch buffers, one a role, kept while an ``encode`` or ``decode`` runs."""
 
-    depth = 0
-    buffer: torch.Tensor | None = None
+    def __init__(self) -> None:
+        self.depth = 0
+        self.buffers: dict[str, torch.Tensor] = {}
 
 
 class TorchAdapter:
@@ -293,7 +294,7 @@ class TorchBackend(ArrayBackend):
         finally:
             self._scratch.depth -= 1
             if not self._scratch.depth:
-                self._scratch.buffer = None
+                self._scratch.buffers.clear()
 
     def _copy(self, t: torch.Tensor) -> torch.Tensor:
         return t.clone()
@@ -355,10 +356,20 @@ class TorchBackend(ArrayBackend):
         return codes.view(torch.float8_e4m3fn).to(torch.float32)
 
     def _round_f8(
-        self, x: torch.Tensor, inverse: torch.Tensor, limit: torch.Tensor, scale: torch.Tensor
+        self,
+        x: torch.Tensor,
+        inverse: torch.Tensor,
+        limit: torch.Tensor,
+        scale: torch.Tensor,
+        owned: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # r is the residual's buffer: x scaled, then decoded, then x minus that, in place.
-        r = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        # r is x scaled, then decoded, in place; then x minus that goes into x when it is
+        # spent (a scratch r), else into r (the residual's own buffer).
+        into = owned and x.is_contiguous()
+        if into:
+            r = self._scratch_buffer("values", x.numel(), torch.float32, x.device).view(x.shape)
+        else:
+            r = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         torch.mul(x, inverse, out=r)
         # |x * inverse| <= 448 by the choice of the scale, so only the lower limit of the
         # largest scale needs a pass. On the CPU reading the limit costs nothing; on CUDA it
@@ -370,14 +381,18 @@ class TorchBackend(ArrayBackend):
         codes = r.to(torch.float8_e4m3fn).view(torch.uint8)
         values = self._table("e4m3", formats.E4M3_VALUES, x.device) * scale
         torch.index_select(values, 0, self._index(codes), out=r.view(-1))
-        return codes, torch.sub(x, r, out=r)
+        return codes, torch.sub(x, r, out=x if into else r)
 
     def _round_f4(
-        self, x: torch.Tensor, inverse: torch.Tensor, scales: torch.Tensor
+        self, x: torch.Tensor, inverse: torch.Tensor, scales: torch.Tensor, owned: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = x.numel()
         pad = (-n) % F4_BLOCK
-        r = torch.empty(n + pad, dtype=torch.float32, device=x.device)
+        into = owned and x.is_contiguous()  # as in _round_f8
+        if into:
+            r = self._scratch_buffer("values", n + pad, torch.float32, x.device)
+        else:
+            r = torch.empty(n + pad, dtype=torch.float32, device=x.device)
         rows = r.view(-1, F4_BLOCK)
         if pad:
             r[:n].copy_(x.reshape(-1))
@@ -389,13 +404,16 @@ class TorchBackend(ArrayBackend):
         torch.bitwise_right_shift(bits, _F4_KEY_BITS, out=key)
         key.add_(bits.add_((1 << _F4_KEY_BITS) - 1).bitwise_right_shift_(_F4_KEY_BITS))
         key.bitwise_and_(0xFFF)
-        codes = torch.index_select(self._table("f4 codes", _F4_KEY_CODES, x.device), 0, key)
+        codes = self._scratch_buffer("codes", n + pad, torch.uint8, x.device)
+        torch.index_select(self._table("f4 codes", _F4_KEY_CODES, x.device), 0, key, out=codes)
         torch.index_select(self._table("f4 values", _F4_KEY_VALUES, x.device), 0, key, out=r)
         rows.mul_(scales[:, None])
-        residual = torch.sub(x.reshape(-1), r[:n], out=r[:n])
+        flat = x.view(-1) if into else x.reshape(-1)
+        residual = torch.sub(flat, r[:n], out=flat if into else r[:n])
         # Two codes a byte, the first low: an int16 of a pair (little-endian) is c0 | c1 << 8.
         pairs = codes.view(torch.int16)
-        packed = (pairs >> 4).bitwise_or_(pairs).to(torch.uint8)
+        high = self._scratch_buffer("pairs", pairs.numel(), torch.int16, x.device)
+        packed = torch.bitwise_right_shift(pairs, 4, out=high).bitwise_or_(pairs).to(torch.uint8)
         return packed, residual.view(x.shape)
 
     def _dequantize_f8(
@@ -429,13 +447,22 @@ class TorchBackend(ArrayBackend):
         return index.copy_(small.view(-1))
 
     def _scratch_index(self, n: int, device: torch.device) -> torch.Tensor:
-        """``n`` int32 of the thread's scratch buffer; a fresh tensor outside a workspace."""
-        buffer = self._scratch.buffer
-        if buffer is None or buffer.numel() < n or buffer.device != device:
-            buffer = torch.empty(n, dtype=torch.int32, device=device)
+        """``n`` int32 of the thread's scratch index buffer."""
+        return self._scratch_buffer("index", n, torch.int32, device)
+
+    def _scratch_buffer(
+        self, role: str, n: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """``n`` elements of ``dtype`` from the thread's scratch buffer for ``role``, kept
+        until the workspace ends (the largest asked for); a fresh tensor outside a workspace.
+        Its contents are whatever the last use left."""
+        size = n * dtype.itemsize
+        buffer = self._scratch.buffers.get(role)
+        if buffer is None or buffer.numel() < size or buffer.device != device:
+            buffer = torch.empty(size, dtype=torch.uint8, device=device)
             if self._scratch.depth:
-                self._scratch.buffer = buffer
-        return buffer[:n]
+                self._scratch.buffers[role] = buffer
+        return buffer[:size].view(dtype)
 
     def _padded(self, flat: torch.Tensor, count: int) -> torch.Tensor:
         return torch.nn.functional.pad(flat, (0, count)) if count else flat

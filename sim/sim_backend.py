@@ -167,7 +167,7 @@ class FloatBackend:
         return out
 
     def encode(
-        self, delta: Tensors, quantization: Quantized | None
+        self, delta: Tensors, quantization: Quantized | None, *, owned: bool = False
     ) -> tuple[dict[str, TensorBytes], Tensors]:
         if quantization is not None:
             raise ValueError(

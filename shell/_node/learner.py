@@ -111,7 +111,7 @@ class LearnerLoop(Loop[polling.PollState]):
         K = self._algorithm.fragments
         self._residual: list[Tensors | None] = [None] * K
         self._params: dict[int, tuple[Commit, Tensors]] = {}
-        self._sent: dict[int, tuple[Job, Snapshot, Tensors, int, str]] = {}
+        self._sent: dict[int, tuple[Job, Snapshot, Tensors | None, int, str]] = {}
         self._handlers: dict[type, Callable[[Any], Awaitable[Result | None]]] = {
             Upload: self._upload,
             Watch: self._watch,
@@ -140,14 +140,16 @@ class LearnerLoop(Loop[polling.PollState]):
         quantization = self._algorithm.quantization
         # An unquantized delta goes to this node's closer as tensors (``_watch``), so its
         # payload is lent (the delta is unchanged until written) and the exchange need not
-        # remember its bytes; a quantized payload is remembered for this node's closer.
+        # remember its bytes; a quantized payload is remembered for this node's closer, and
+        # the delta is spent on it (its memory may hold the residual: ``owned``).
         payload: Mapping[str, Tensorish]
         remembered: dict[str, TensorBytes] | None = None
+        kept: Tensors | None = delta
         if quantization is None:
             payload = self._backend.lend_plain(delta)
         else:
-            remembered, self._residual[k] = self._backend.encode(delta, quantization)
-            payload = remembered
+            remembered, self._residual[k] = self._backend.encode(delta, quantization, owned=True)
+            payload, kept = remembered, None
         data = compress_parts(payload, self._compression)
         snapshot = Snapshot(
             node=self.settings.node,
@@ -162,15 +164,15 @@ class LearnerLoop(Loop[polling.PollState]):
         created = await self._exchange.publish(
             snapshot, data, self._compression, remembered, bound=snapshot_bound(schema)
         )
-        self._sent[publish.round] = (job, snapshot, delta, data_size(data), created.key)
-        del payload, data, remembered
+        self._sent[publish.round] = (job, snapshot, kept, data_size(data), created.key)
+        del payload, data, remembered, delta
         release_memory()  # the capture's encoded bytes are spent
         return Uploaded(round=publish.round, created=created)
 
     async def _watch(self, watch: Watch) -> None:
         job, snapshot, delta, size, key = self._sent.pop(watch.round)
         if watch.ours:
-            if self._algorithm.quantization is None:  # the payload holds the delta's F32 bytes
+            if delta is not None:  # unquantized: the payload holds the delta's F32 bytes
                 own = OwnSnapshot(record=snapshot, key=key, delta=delta)
                 self._handover.put_own(watch.round, own)
             publish = job.publish

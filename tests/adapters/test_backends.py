@@ -172,6 +172,30 @@ def test_codes_hold_on_each_side_of_every_f4_threshold(fw: Any, quantization: st
     assert (fw.numpy(delta["w"]).view(np.uint32) == x.view(np.uint32)).all()
 
 
+@pytest.mark.parametrize("quantization", [None, "F8_E4M3", "F4"])
+def test_an_owned_delta_gives_the_same_payload_and_residual(fw: Any, quantization: Any) -> None:
+    """``encode(..., owned=True)`` writes the same payload and residual bit for bit, over
+    tensors of every odd shape (F4 block tails and empty ones included) and a non-contiguous
+    one; torch leaves a quantized residual in the delta's own memory, MLX makes new arrays."""
+    rng = np.random.default_rng(11)
+    arrays = {f"t{i}": rng.standard_normal(s).astype(np.float32) for i, s in enumerate(ODD_SHAPES)}
+    kept, _ = fw.backend.encode({n: fw.tensor(a) for n, a in arrays.items()}, quantization)
+    _, expected = fw.backend.encode({n: fw.tensor(a) for n, a in arrays.items()}, quantization)
+    delta = {n: fw.tensor(a) for n, a in arrays.items()}
+    if fw.name == "torch":
+        delta["t5"] = fw.tensor(arrays["t5"].T.copy()).permute(2, 1, 0)  # (2, 3, 5), strided
+    payload, residual = fw.backend.encode(delta, quantization, owned=True)
+    assert payload == kept
+    for name, want in expected.items():
+        got = fw.numpy(residual[name])
+        assert got.shape == arrays[name].shape
+        assert (got.view(np.uint32) == fw.numpy(want).view(np.uint32)).all(), name
+    if fw.name == "torch" and quantization is not None:
+        full = [n for n in arrays if arrays[n].size]
+        shared = [n for n in full if residual[n].data_ptr() == delta[n].data_ptr()]
+        assert shared == [n for n in full if n != "t5"]
+
+
 def test_f8_values_near_the_f32_maximum_stay_finite(fw: Any) -> None:
     # max|x| / 2**120 just below 256 would round up to 256 * 2**120, F32's infinity.
     x = np.float32([3.4e38, -3.3e38, 2.9e38, 1.0])
