@@ -109,7 +109,7 @@ class LearnerLoop(Loop[polling.PollState]):
         self._manifest = settings.manifest
         self._algorithm = settings.manifest.algorithm
         K = self._algorithm.fragments
-        self._residual: list[Tensors | None] = [None] * K
+        self._residual: list[spill.Base | None] = [None] * K
         self._params: dict[int, tuple[Commit, Tensors]] = {}
         self._sent: dict[int, tuple[Job, Snapshot, Tensors | None, int, str]] = {}
         self._handlers: dict[type, Callable[[Any], Awaitable[Result | None]]] = {
@@ -148,8 +148,14 @@ class LearnerLoop(Loop[polling.PollState]):
         if quantization is None:
             payload = self._backend.lend_plain(delta)
         else:
-            remembered, self._residual[k] = self._backend.encode(delta, quantization, owned=True)
+            remembered, residual = self._backend.encode(delta, quantization, owned=True)
             payload, kept = remembered, None
+            # The error feedback waits a whole fragment cycle for the fragment's next delta:
+            # a node that keeps its base in a file keeps it there too (one file a fragment).
+            self._residual[k] = (
+                spill.spill(self._backend, residual, self._spill_dir) if self._spills else residual
+            )
+            del residual
         data = compress_parts(payload, self._compression)
         snapshot = Snapshot(
             node=self.settings.node,

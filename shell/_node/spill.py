@@ -149,14 +149,15 @@ def _where(exc: OSError, directory: str | None) -> OSError:
     )
 
 
-def delta(backend: Backend, base: Base, captured: Tensors, residual: Tensors | None) -> Tensors:
-    """``backend.delta`` with a base that may be spilled: then one tensor at a time, so a
-    single tensor of the base is in memory at once."""
-    if not isinstance(base, SpilledBase):
+def delta(backend: Backend, base: Base, captured: Tensors, residual: Base | None) -> Tensors:
+    """``backend.delta`` with a base or residual that may be spilled: then one tensor at a
+    time, so a single tensor of each file is in memory at once."""
+    if not isinstance(base, SpilledBase) and not isinstance(residual, SpilledBase):
         return backend.delta(base, captured, residual)
-    if set(base) != set(captured):
-        names = sorted(set(base) ^ set(captured))
-        raise SchemaMismatch(names, "delta: the base and the capture name different parameters")
+    for group in (base, residual):
+        if group is not None and set(group) != set(captured):
+            names = sorted(set(group) ^ set(captured))
+            raise SchemaMismatch(names, "delta: the tensors name different parameters")
     out: dict[str, Any] = {}
     for name in captured:
         one = None if residual is None else {name: residual[name]}

@@ -84,13 +84,17 @@ def test_a_delta_from_a_spilled_base_is_the_in_memory_delta(tmp_path: Path) -> N
     local = {n: t + 0.25 for n, t in base.items()}
     residual = {n: torch.full_like(t, 0.5) for n, t in base.items()}
     spilled = spill.spill(BACKEND, base, str(tmp_path))
-    for r in (None, residual):
-        want = BACKEND.delta(base, local, r)
-        got = spill.delta(BACKEND, spilled, local, r)
+    kept = spill.spill(BACKEND, residual, str(tmp_path))  # a quantized round's error feedback
+    cases = [(spilled, None), (spilled, residual), (spilled, kept), (base, kept)]
+    for b, r in cases:
+        want = BACKEND.delta(base, local, None if r is None else residual)
+        got = spill.delta(BACKEND, b, local, r)
         assert sorted(got) == sorted(want)
         assert all(torch.equal(got[n], want[n]) for n in want)
     with pytest.raises(SchemaMismatch, match="different parameters"):
         spill.delta(BACKEND, spilled, {"a": local["a"]}, None)
+    with pytest.raises(SchemaMismatch, match="different parameters"):
+        spill.delta(BACKEND, {"a": base["a"]}, {"a": local["a"]}, kept)
 
 
 def test_a_directory_that_cannot_take_the_base_is_named(tmp_path: Path) -> None:
@@ -105,13 +109,23 @@ def test_spilling_is_the_cpu_default() -> None:
     assert not spill.spills(TorchBackend("meta"))
 
 
-def test_a_session_that_spills_trains_to_the_same_parameters(tmp_path: Path) -> None:
+@pytest.mark.parametrize("quantization", [None, "F8_E4M3", "F4"])
+def test_a_session_that_spills_trains_to_the_same_parameters(
+    tmp_path: Path, quantization: Any
+) -> None:
+    """Quantized, the error feedback goes to a file too (and is read back for the next delta
+    of its fragment): the run ends on the same parameters, bit for bit."""
     finals = {}
     for spilled in (False, True):
         model = make_model()
         url = f"file://{tmp_path / str(spilled)}"
         with lone_session(
-            model, url, overlap_steps=0, spill_base=spilled, spill_dir=tmp_path
+            model,
+            url,
+            overlap_steps=0,
+            quantization=quantization,
+            spill_base=spilled,
+            spill_dir=tmp_path,
         ) as session:
             drift(model, session, 24)
         assert session.rounds_seen >= 10

@@ -41,13 +41,23 @@ def make_model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
 
 
-def lone_session(model: torch.nn.Module, url: str, *, overlap_steps: int, **settings: Any) -> Any:
+def lone_session(
+    model: torch.nn.Module,
+    url: str,
+    *,
+    overlap_steps: int,
+    quantization: Any = None,
+    **settings: Any,
+) -> Any:
     """A real ``Session`` of one node on ``url`` with quick timers, K=2 and H=4."""
     from gradientmail import Session, mailbox_from_url
 
+    algorithm = DiLoCo(
+        inner_steps=4, fragments=2, overlap_steps=overlap_steps, quantization=quantization
+    )
     return Session(
         model,
-        algorithm=DiLoCo(inner_steps=4, fragments=2, overlap_steps=overlap_steps),
+        algorithm=algorithm,
         mailbox=mailbox_from_url(url),
         poll_interval=0.05,
         lease_every=1.0,
