@@ -147,7 +147,9 @@ class Session:
         delta is measured from: one F32 copy of the model) in an anonymous file in
         ``spill_dir`` (the system's temporary directory by default) instead of memory, and
         (as the closer of a round) each fragment's outer momentum when it exceeds the 64 MiB
-        kept in memory: up to twice the model's F32 bytes of disk. The page cache holds the
+        kept in memory, and with quantized deltas each fragment's error-feedback residual:
+        up to twice the model's F32 bytes of disk, three times with quantized deltas (or with
+        BF16 or F16 parameters, whose F32 master is kept too). The page cache holds the
         files while memory is free; each is unlinked at once, so nothing is left behind. None
         (the default) spills on the CPU (torch's CPU device, MLX) and keeps a CUDA base on its
         device. Put ``spill_dir`` on a disk, not a tmpfs, or the files stay in memory.

@@ -137,6 +137,7 @@ class LearnerLoop(Loop[polling.PollState]):
         publish, k = job.publish, job.publish.fragment
         self._backend.ready(job.captured)
         delta = spill.delta(self._backend, job.base, job.captured, self._residual[k])
+        self._residual[k] = None  # in the delta now: not held (nor spilled) twice
         quantization = self._algorithm.quantization
         # An unquantized delta goes to this node's closer as tensors (``_watch``), so its
         # payload is lent (the delta is unchanged until written) and the exchange need not

@@ -143,9 +143,9 @@ def _where(exc: OSError, directory: str | None) -> OSError:
     where = directory if directory is not None else tempfile.gettempdir()
     return OSError(
         exc.errno,
-        f"keeping a fragment's base in a file in {where!r} failed ({exc.strerror or exc}); "
-        "give it twice the model's F32 bytes of room, or set Session(spill_dir=...) elsewhere, or "
-        "Session(spill_base=False) to keep it in memory",
+        f"keeping a fragment's tensors in a file in {where!r} failed ({exc.strerror or exc}); "
+        "give it two to three times the model's F32 bytes of room (docs/operations.md), or set "
+        "Session(spill_dir=...) elsewhere, or Session(spill_base=False) to keep them in memory",
     )
 
 
