@@ -363,13 +363,9 @@ class TorchBackend(ArrayBackend):
         scale: torch.Tensor,
         owned: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # r is x scaled, then decoded, in place; then x minus that goes into x when it is
-        # spent (a scratch r), else into r (the residual's own buffer).
-        into = owned and x.is_contiguous()
-        if into:
-            r = self._scratch_buffer("values", x.numel(), torch.float32, x.device).view(x.shape)
-        else:
-            r = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        # r is x scaled, then decoded, in place; then x minus that (``_values``).
+        r, into = self._values(x, x.numel(), owned)
+        r = r.view(x.shape)
         torch.mul(x, inverse, out=r)
         # |x * inverse| <= 448 by the choice of the scale, so only the lower limit of the
         # largest scale needs a pass. On the CPU reading the limit costs nothing; on CUDA it
@@ -388,11 +384,7 @@ class TorchBackend(ArrayBackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = x.numel()
         pad = (-n) % F4_BLOCK
-        into = owned and x.is_contiguous()  # as in _round_f8
-        if into:
-            r = self._scratch_buffer("values", n + pad, torch.float32, x.device)
-        else:
-            r = torch.empty(n + pad, dtype=torch.float32, device=x.device)
+        r, into = self._values(x, n + pad, owned)
         rows = r.view(-1, F4_BLOCK)
         if pad:
             r[:n].copy_(x.reshape(-1))
@@ -415,6 +407,14 @@ class TorchBackend(ArrayBackend):
         high = self._scratch_buffer("pairs", pairs.numel(), torch.int16, x.device)
         packed = torch.bitwise_right_shift(pairs, 4, out=high).bitwise_or_(pairs).to(torch.uint8)
         return packed, residual.view(x.shape)
+
+    def _values(self, x: torch.Tensor, n: int, owned: bool) -> tuple[torch.Tensor, bool]:
+        """The rounding's ``n`` F32 of work for ``x``, and whether the residual goes into ``x``:
+        when ``x`` is spent (``owned``) and contiguous, the work is scratch and ``x`` takes the
+        residual; otherwise the work is a fresh tensor that becomes the residual."""
+        if owned and x.is_contiguous():
+            return self._scratch_buffer("values", n, torch.float32, x.device), True
+        return torch.empty(n, dtype=torch.float32, device=x.device), False
 
     def _dequantize_f8(
         self, codes: torch.Tensor, scale: torch.Tensor, shape: tuple[int, ...]

@@ -145,12 +145,13 @@ class LearnerLoop(Loop[polling.PollState]):
         # the delta is spent on it (its memory may hold the residual: ``owned``).
         payload: Mapping[str, Tensorish]
         remembered: dict[str, TensorBytes] | None = None
-        kept: Tensors | None = delta
+        own: Tensors | None = delta  # what this node's closer is handed (``_watch``)
         if quantization is None:
             payload = self._backend.lend_plain(delta)
         else:
             remembered, residual = self._backend.encode(delta, quantization, owned=True)
-            payload, kept = remembered, None
+            payload, own = remembered, None
+            del delta  # its memory is the residual's now
             # The error feedback waits a whole fragment cycle for the fragment's next delta:
             # a node that keeps its base in a file keeps it there too (one file a fragment).
             self._residual[k] = (
@@ -171,8 +172,8 @@ class LearnerLoop(Loop[polling.PollState]):
         created = await self._exchange.publish(
             snapshot, data, self._compression, remembered, bound=snapshot_bound(schema)
         )
-        self._sent[publish.round] = (job, snapshot, kept, data_size(data), created.key)
-        del payload, data, remembered, delta
+        self._sent[publish.round] = (job, snapshot, own, data_size(data), created.key)
+        del payload, data, remembered, own
         release_memory()  # the capture's encoded bytes are spent
         return Uploaded(round=publish.round, created=created)
 
