@@ -64,10 +64,17 @@ class ArrayBackend(ArrayKernels):
             raise TypeError(f"{self._takes}, not {type(model).__qualname__}")
         return self._adapter_type(model)
 
-    def capture(self, adapter: Adapter, names: Sequence[str]) -> Tensors:
+    def capture(
+        self, adapter: Adapter, names: Sequence[str], *, into: Tensors | None = None
+    ) -> Tensors:
         if not isinstance(adapter, self._adapter_type):
             return self.load(adapter.read(names))
-        return self._capture(adapter, names)
+        return self._capture(adapter, names, into or {})
+
+    def reserve(self, adapter: Adapter, names: Sequence[str]) -> Tensors:
+        if not isinstance(adapter, self._adapter_type):
+            return {}
+        return self._reserve(adapter, names)
 
     def load(self, tensors: Mapping[str, TensorBytes]) -> Tensors:
         loaded = {}
@@ -277,8 +284,13 @@ class ArrayBackend(ArrayKernels):
         return tensors
 
     @abstractmethod
-    def _capture(self, adapter: Any, names: Sequence[str]) -> Tensors:
+    def _capture(self, adapter: Any, names: Sequence[str], into: Tensors) -> Tensors:
         """``capture`` from an adapter of ``_adapter_type``."""
+
+    def _reserve(self, adapter: Any, names: Sequence[str]) -> Tensors:
+        """``reserve`` for an adapter of ``_adapter_type``: nothing, unless a framework's
+        capture pays for fresh memory."""
+        return {}
 
     @abstractmethod
     def _merge_live(

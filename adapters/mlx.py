@@ -154,10 +154,11 @@ class MLXBackend(ArrayBackend):
     def ready(self, tensors: Tensors) -> None:
         mx.eval(list(tensors.values()))
 
-    def _capture(self, adapter: MLXAdapter, names: Sequence[str]) -> Tensors:
-        # New array handles (no copy: arrays are immutable), so that an in-place ``a[i] = v``
-        # on a live array later cannot reach them. Evaluated here, on the training thread,
-        # because MLX evaluates a lazy array only on the thread whose stream made it.
+    def _capture(self, adapter: MLXAdapter, names: Sequence[str], into: Tensors) -> Tensors:
+        # ``into`` is empty: nothing is reserved (``_reserve``). New array handles (no copy:
+        # arrays are immutable), so that an in-place ``a[i] = v`` on a live array later cannot
+        # reach them. Evaluated here, on the training thread, because MLX evaluates a lazy
+        # array only on the thread whose stream made it.
         return _evaluated({name: mx.array(a) for name, a in adapter.tensors(names).items()})
 
     def _merge_live(

@@ -195,17 +195,31 @@ class TorchBackend(ArrayBackend):
             # they are used on this thread's stream too, so it does not reuse them early.
             t.record_stream(torch.cuda.current_stream(t.device))
 
-    def _capture(self, adapter: TorchAdapter, names: Sequence[str]) -> Tensors:
+    def _capture(self, adapter: TorchAdapter, names: Sequence[str], into: Tensors) -> Tensors:
         captured = _Captured()
         with torch.no_grad():
             for name, live in adapter.tensors(names).items():
                 # On CUDA the clone is queued on the training thread's current stream, after
                 # the steps that wrote the parameter, and the event marks its end.
-                captured[name] = live.detach().clone(memory_format=torch.contiguous_format)
+                kept = into.get(name)
+                if kept is not None and _same_layout(kept, live):
+                    captured[name] = kept.copy_(live)
+                else:
+                    captured[name] = live.detach().clone(memory_format=torch.contiguous_format)
         if any(t.is_cuda for t in captured.values()):
             captured.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             captured.event.record()
         return captured
+
+    def _reserve(self, adapter: TorchAdapter, names: Sequence[str]) -> Tensors:
+        # Host tensors only: CUDA's caching allocator keeps freed blocks, and a block taken on
+        # another thread's stream would need that stream's ordering.
+        reserved = {}
+        for name, live in adapter.tensors(names).items():
+            if live.device.type == "cpu":
+                reserved[name] = torch.empty_like(live, memory_format=torch.contiguous_format)
+                reserved[name].fill_(0)  # touches every page
+        return reserved
 
     def _merge_live(
         self,
@@ -504,3 +518,13 @@ def _from_bytes(value: TensorBytes) -> torch.Tensor:
     raw = torch.frombuffer(bytearray(value.data), dtype=torch.uint8)
     tensor: torch.Tensor = raw.view(dtype).reshape(shape)
     return tensor
+
+
+def _same_layout(kept: torch.Tensor, live: torch.Tensor) -> bool:
+    """Whether ``kept`` (``reserve``'s) can hold a contiguous copy of ``live``."""
+    return (
+        kept.shape == live.shape
+        and kept.dtype == live.dtype
+        and kept.device == live.device
+        and kept.is_contiguous()
+    )

@@ -44,6 +44,7 @@ __all__ = [
     "counted",
     "done",
     "join",
+    "next_publish",
     "on_commit",
     "step",
     "waiting_on",
@@ -151,6 +152,22 @@ def step(state: LearnerState, algorithm: DiLoCo, samples: int) -> tuple[LearnerS
         deferred = min(state.deferred + 1, algorithm.fragments)
         state = attrs.evolve(state, slot=state.slot + 1, deferred=deferred)
     return _settle(state, algorithm, effects)
+
+
+def next_publish(state: LearnerState, algorithm: DiLoCo) -> tuple[int, int] | None:
+    """A forecast: ``(step, fragment)`` of the next slot's publication if no commit is merged
+    before it, or None when it cannot be told (closing, a slot deferred until a merge frees a
+    fragment, no fragment free). ``step`` is the step count at which ``step`` publishes it;
+    the fragment is the free one with the smallest next round, as ``_take_deferred`` picks.
+    Nothing depends on it being right: the shell uses it to prepare a capture's memory."""
+    if state.closing or state.deferred > 0:
+        return None
+    candidates = [
+        (next_round(algorithm, k, f.merged), k) for k, f in enumerate(state.fragments) if f.free
+    ]
+    if not candidates:
+        return None
+    return slot_end(algorithm, state.slot), min(candidates)[1]
 
 
 def waiting_on(state: LearnerState, algorithm: DiLoCo) -> Blocked | None:

@@ -136,10 +136,17 @@ class FloatBackend:
             raise TypeError(f"the float backend takes a FloatModel, not {type(model).__qualname__}")
         return model
 
-    def capture(self, adapter: Adapter, names: Sequence[str]) -> Tensors:
+    def capture(
+        self, adapter: Adapter, names: Sequence[str], *, into: Tensors | None = None
+    ) -> Tensors:
+        """Copies; ``into`` is always empty (``reserve``)."""
         if isinstance(adapter, FloatModel):
             return {n: adapter.parameters[n].copy() for n in names}
         return self.load(adapter.read(names))
+
+    def reserve(self, adapter: Adapter, names: Sequence[str]) -> Tensors:
+        """Nothing: a copy of a small list needs no memory prepared."""
+        return {}
 
     def ready(self, tensors: Tensors) -> None:
         """Nothing to wait for: captures are synchronous copies."""

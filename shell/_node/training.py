@@ -5,6 +5,7 @@ model parameters)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 from gradientmail._events import Callback, Merged, Rebased
@@ -19,7 +20,11 @@ from gradientmail.core.effects import Rebased as Rebase
 from gradientmail.core.records import Manifest
 from gradientmail.core.rules import Rules
 
-__all__ = ["Trainer"]
+__all__ = ["RESERVE_BYTES", "Trainer"]
+
+RESERVE_BYTES = WORTH_TRIMMING
+"""A fragment of this many bytes or more has its capture's memory prepared off the training
+thread (``_Reserved``); below it, fresh memory costs little and the allocator keeps it."""
 
 
 class Trainer:
@@ -54,6 +59,7 @@ class Trainer:
         self._captured: list[Tensors | None] = [None] * self.algorithm.fragments
         self.steps = 0  # inner steps counted by this process
         self._captured_at = [0] * self.algorithm.fragments
+        self._reserved = _Reserved(backend, adapter)
 
     def advance(self, samples: int) -> None:
         """Apply ready commits, then count one inner step of ``samples`` tokens."""
@@ -61,6 +67,7 @@ class Trainer:
         self.steps += 1
         self.state, effects = learner.step(self.state, self.algorithm, samples)
         self._execute(effects, None)
+        self._reserve_next()
 
     def blocked(self) -> learner.Blocked | None:
         """Apply ready commits; what ``step`` still waits for, or None."""
@@ -150,9 +157,21 @@ class Trainer:
             )
         )
 
+    def _reserve_next(self) -> None:
+        """When the next step publishes a large fragment (``learner.next_publish``), prepare
+        its capture's memory on another thread now: the capture then only copies."""
+        forecast = learner.next_publish(self.state, self.algorithm)
+        if forecast is None or forecast[0] != self.state.step + 1:
+            return
+        k = forecast[1]
+        if self._manifest.fragment_schema(k).nbytes() >= RESERVE_BYTES:
+            self._reserved.request(k, self._manifest.fragments[k])
+
     def _capture(self, publish: Publish) -> None:
         k = publish.fragment
-        captured = self._backend.capture(self._adapter, self._manifest.fragments[k])
+        into = self._reserved.take(k)
+        captured = self._backend.capture(self._adapter, self._manifest.fragments[k], into=into)
+        del into
         self._captured[k] = captured
         self._captured_at[k] = self.steps
         nonce = self.state.fragments[k].nonce
@@ -161,3 +180,49 @@ class Trainer:
             Job(publish=publish, nonce=nonce, base=self._base[k], captured=captured)
         )
         self._loop.put(Captured(round=publish.round, nonce=nonce))
+
+
+class _Reserved:
+    """The memory of one upcoming capture (``Backend.reserve``), made on a thread of its own
+    while the training thread takes the step before it. Fresh memory costs its page faults
+    (on a CPU, a 365 MB capture took 90 ms in fresh memory, 22 ms in touched memory); here
+    they are paid off the training thread, and the memory is held one step at most."""
+
+    def __init__(self, backend: Backend, adapter: Adapter) -> None:
+        self._backend = backend
+        self._adapter = adapter
+        self._fragment: int | None = None
+        self._thread: threading.Thread | None = None
+        self._made: list[Tensors] = []
+        self._failed: list[BaseException] = []
+
+    def request(self, fragment: int, names: Sequence[str]) -> None:
+        """Start reserving ``names`` for ``fragment``'s capture, dropping any other."""
+        if self._fragment == fragment:
+            return
+        self._fragment = fragment
+        made: list[Tensors] = []
+        failed: list[BaseException] = []
+        self._made, self._failed = made, failed
+
+        def reserve() -> None:
+            try:
+                made.append(self._backend.reserve(self._adapter, names))
+            except BaseException as exc:  # raised on the training thread by ``take``
+                failed.append(exc)
+
+        self._thread = threading.Thread(target=reserve, name="gradientmail-reserve", daemon=True)
+        self._thread.start()
+
+    def take(self, fragment: int) -> Tensors:
+        """What was reserved for ``fragment`` (waiting for it to be made), or nothing when
+        the reservation was for another fragment; either way the reservation is spent."""
+        thread, made, failed = self._thread, self._made, self._failed
+        mine = self._fragment == fragment
+        self._fragment, self._thread, self._made, self._failed = None, None, [], []
+        if thread is None or not mine:
+            return {}
+        thread.join()
+        if failed:
+            raise failed[0]
+        return made[0]

@@ -297,6 +297,32 @@ def test_capture_is_a_copy_and_merge_folds_a_commit_in(fw: Any, kind: str) -> No
         fw.backend.merge(adapter, commit, since=None, alpha=2.0)
 
 
+@pytest.mark.parametrize("kind", ["model", "bytes"])
+def test_a_capture_into_reserved_memory_is_the_same_copy_in_that_memory(fw: Any, kind: str) -> None:
+    start = np.float32([1.0, 2.0, -3.0, 0.5])
+    adapter = live_adapter(fw, kind, start)
+    made: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: made.update(fw.backend.reserve(adapter, ["w"])))
+    worker.start()  # reserved on another thread, as a node does while the step before runs
+    worker.join()
+    # Only torch's host tensors pay for fresh memory: MLX and a bytes adapter reserve nothing.
+    assert set(made) == ({"w"} if fw.name == "torch" and kind == "model" else set())
+    captured = fw.backend.capture(adapter, ["w"], into=made)
+    fw.backend.ready(captured)
+    if made:
+        assert captured["w"] is made["w"]
+    assert fw.numpy(captured["w"]).tolist() == start.tolist()
+    fw.backend.merge(adapter, {"w": fw.tensor(start + 1)}, since=None, alpha=None)
+    assert fw.numpy(captured["w"]).tolist() == start.tolist()  # a copy: training moves on
+    assert adapter.read(["w"])["w"].dtype == "BF16"
+    if made:
+        # Memory of another shape is not used: the capture takes new memory.
+        wrong = {"w": made["w"].new_zeros((5,))}
+        again = fw.backend.capture(adapter, ["w"], into=wrong)
+        assert again["w"] is not wrong["w"] and tuple(again["w"].shape) == (4,)
+        assert fw.numpy(again["w"]).tolist() == (start + 1).tolist()
+
+
 def test_tensors_cross_between_the_training_and_communication_threads(fw: Any) -> None:
     start = np.float32([1.0, 2.0, -3.0, 0.5])
     adapter = live_adapter(fw, "model", start)

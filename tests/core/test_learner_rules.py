@@ -586,3 +586,42 @@ def test_non_integer_samples_are_refused_at_once(samples: Any) -> None:
     a = algo()
     with pytest.raises((TypeError, ValueError), match="samples"):
         rules.step(fresh(a), a, samples)
+
+
+@given(schedules())
+def test_the_forecast_names_the_step_and_fragment_a_slot_publishes_unless_a_merge_comes_first(
+    case: tuple[DiLoCo, list[tuple[str, int, bool]]],
+) -> None:
+    a, actions = case
+    state, ledger = fresh(a), Ledger(a)
+    for action, value, flag in actions:
+        if action == "step" and rules.waiting_on(state, a) is None:
+            forecast = rules.next_publish(state, a)
+            state, effects = rules.step(state, a, value + 1)
+            ledger.take(state, effects)
+            if forecast is not None:
+                at, k = forecast
+                assert at > state.step - 1
+                if at == state.step:
+                    # The slot's publication comes first; owed ones (held) after it.
+                    assert publishes(effects)[0].fragment == k
+        elif action == "deliver" and ledger.pending:
+            pending = sorted(ledger.pending)
+            state = ledger.commit(state, pending[value % len(pending)], flag)
+    if all(f.free for f in state.fragments):
+        assert rules.next_publish(state, a) is not None
+    state, _ = rules.close(state, a)
+    assert rules.next_publish(state, a) is None
+
+
+def test_the_forecast_of_a_fresh_run_is_fragment_0_at_the_first_slot() -> None:
+    a = algo(h=12, k=3)
+    state = fresh(a)
+    assert rules.next_publish(state, a) == (4, 0)
+    state, seen = run(state, a, 4)
+    assert [(at, p.fragment) for at, p in seen] == [(4, 0)]
+    assert rules.next_publish(state, a) == (8, 1)
+    state, _ = run(state, a, 4)
+    state, _ = run(state, a, 4)
+    # Every fragment in flight: the next slot waits for a merge, so nothing can be told.
+    assert rules.next_publish(state, a) is None

@@ -1,0 +1,83 @@
+"""A capture's memory prepared off the training thread (``Backend.reserve``) one step before
+the capture: the node uses it, and trains to the same parameters as without it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from virtual_run import drift, lone_session, make_model  # noqa: E402
+
+from gradientmail._node import training  # noqa: E402
+from gradientmail.adapters.base import Adapter, Tensors  # noqa: E402
+from gradientmail.adapters.torch import TorchBackend  # noqa: E402
+
+
+class CountingBackend(TorchBackend):
+    """The torch backend, counting reservations and the captures that went into them."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.reserved: list[tuple[str, ...]] = []
+        self.into: list[bool] = []
+
+    def reserve(self, adapter: Adapter, names: Sequence[str]) -> Tensors:
+        made = super().reserve(adapter, names)
+        self.reserved.append(tuple(sorted(made)))
+        return made
+
+    def capture(
+        self, adapter: Adapter, names: Sequence[str], *, into: Tensors | None = None
+    ) -> Tensors:
+        captured = super().capture(adapter, names, into=into)
+        if into:
+            assert all(captured[name] is into[name] for name in names)
+        self.into.append(bool(into))
+        return captured
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_captures_go_into_reserved_memory_and_train_to_the_same_parameters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overlap: int
+) -> None:
+    finals, backends = {}, {}
+    for reserving in (False, True):
+        # Every fragment counts as large, or none does (the toy model's are bytes).
+        monkeypatch.setattr(training, "RESERVE_BYTES", 0 if reserving else 2**62)
+        model, backend = make_model(), CountingBackend()
+        with lone_session(
+            model, f"file://{tmp_path / str(reserving)}", overlap_steps=overlap, backend=backend
+        ) as session:
+            drift(model, session, 24)
+        assert session.rounds_seen >= 10
+        finals[reserving] = [p.detach().numpy().copy() for p in model.parameters()]
+        backends[reserving] = backend
+    assert all(np.array_equal(a, b) for a, b in zip(finals[False], finals[True], strict=True))
+    off, on = backends[False], backends[True]
+    assert off.reserved == [] and not any(off.into)
+    # Every slot's capture while training (24 steps, a slot each 2) found its memory; the
+    # captures close() makes were not forecast.
+    assert sum(on.into) == 12 and len(on.reserved) == 12
+    assert all(names for names in on.reserved)
+
+
+def test_a_reservation_for_another_fragment_is_not_used_and_a_failure_is_raised() -> None:
+    model = torch.nn.Linear(3, 2)
+    backend = TorchBackend("cpu")
+    adapter = backend.adapter(model)
+    reserved = training._Reserved(backend, adapter)
+    assert reserved.take(0) == {}  # nothing asked
+    reserved.request(0, ["weight"])
+    made = reserved.take(0)
+    assert list(made) == ["weight"] and tuple(made["weight"].shape) == (2, 3)
+    assert reserved.take(0) == {}  # spent
+    reserved.request(1, ["bias"])
+    assert reserved.take(0) == {}  # forecast wrong: the capture takes new memory
+    reserved.request(0, ["no.such.parameter"])
+    with pytest.raises(Exception, match=r"no\.such\.parameter"):
+        reserved.take(0)
