@@ -255,6 +255,32 @@ class ArrayBackend(ArrayKernels):
         merged = {n: self._merged(live[n], commit[n], since, alpha, n) for n in names}
         adapter.write(self.dump(self.cast(merged, schema)))
 
+    def difference(self, commit: Tensors, since: Tensors, *, owned: bool = False) -> Tensors:
+        names = matching("difference", commit, since)
+        return self._evaluated(
+            {n: self._difference(commit[n], since[n], owned=owned) for n in names}
+        )
+
+    def shift(self, adapter: Adapter, difference: Tensors) -> None:
+        names = matching("shift", difference)
+        schema = served(adapter.schema, names)
+        check_shapes("shift", schema, difference)
+        if isinstance(adapter, self._adapter_type):
+            self._shift_live(adapter, names, difference)
+            return
+        live = self.load(adapter.read(names))
+        shifted = {n: self._f32(live[n]) + self._f32(difference[n]) for n in names}
+        adapter.write(self.dump(self.cast(shifted, schema)))
+
+    def _difference(self, commit: Array, since: Array, *, owned: bool) -> Array:
+        """``commit - since`` in F32 (``difference``); a framework whose arrays can be written
+        may put it in an owned F32 ``since``."""
+        return self._f32(commit) - self._f32(since)
+
+    @abstractmethod
+    def _shift_live(self, adapter: Any, names: Sequence[str], difference: Tensors) -> None:
+        """``shift`` into an adapter of ``_adapter_type``."""
+
     def _merged(
         self, live: Array, commit: Array, since: Tensors | None, alpha: float | None, name: str
     ) -> Array:

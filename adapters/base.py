@@ -169,3 +169,17 @@ class Backend(Protocol):
         neither: ``live = commit``. Arithmetic in F32, rounded to the parameters' dtype.
         """
         ...
+
+    def difference(self, commit: Tensors, since: Tensors, *, owned: bool = False) -> Tensors:
+        """``commit - since`` in F32: what a merge since ``since`` adds to the live
+        parameters (``shift``), computed on any thread, ahead of the merge. ``owned``: the
+        caller gives ``since`` up, and an F32 ``since`` may hold the result (torch writes it
+        there: no new memory), so ``since`` must not be read afterwards."""
+        ...
+
+    def shift(self, adapter: Adapter, difference: Tensors) -> None:
+        """``live = live + difference`` in place, on the training thread: arithmetic in F32,
+        rounded to the parameters' dtype. ``shift(adapter, difference(commit, s))`` is
+        ``merge(adapter, commit, since=s, alpha=None)`` in one pass over the live parameters
+        instead of two, up to one rounding (``commit - s`` is rounded before it is added)."""
+        ...

@@ -173,6 +173,11 @@ class MLXBackend(ArrayBackend):
         merged = {n: self._merged(live[n], commit[n], since, alpha, n) for n in names}
         adapter.update(self.cast(merged, served(adapter.schema, names)))
 
+    def _shift_live(self, adapter: MLXAdapter, names: Sequence[str], difference: Tensors) -> None:
+        live = adapter.tensors(names)
+        shifted = {n: self._f32(live[n]) + difference[n] for n in names}
+        adapter.update(self.cast(shifted, served(adapter.schema, names)))
+
     def _evaluated(self, tensors: Tensors) -> Tensors:
         return _evaluated(tensors)
 

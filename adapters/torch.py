@@ -240,6 +240,24 @@ class TorchBackend(ArrayBackend):
                 # copy_ rounds to the parameter's dtype in place: optimizers keep their tensor.
                 parameter.copy_(self._merged(parameter, c, since, alpha, name))
 
+    def _difference(
+        self, commit: torch.Tensor, since: torch.Tensor, *, owned: bool
+    ) -> torch.Tensor:
+        if owned and since.dtype == torch.float32 and since.device == commit.device:
+            # Written over the spent ``since``: F32 ``commit`` values, or exact F32 values of
+            # F16/BF16 ones (type promotion), less ``since``: one rounding, as ``_f32(c) - s``.
+            return torch.sub(commit, since, out=since)
+        return commit.to(self.device, torch.float32) - since.to(self.device, torch.float32)
+
+    def _shift_live(self, adapter: TorchAdapter, names: Sequence[str], difference: Tensors) -> None:
+        with torch.no_grad():
+            for name, parameter in adapter.tensors(names).items():
+                d = difference[name]
+                if parameter.dtype == torch.float32 and d.device == parameter.device:
+                    parameter.add_(d)
+                else:  # copy_ rounds to the parameter's dtype in place
+                    parameter.copy_(parameter.float() + d.to(parameter.device))
+
     def _array(self, value: TensorBytes) -> torch.Tensor:
         return _from_bytes(value).to(self.device)
 

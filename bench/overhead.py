@@ -250,10 +250,23 @@ def measure(
 
     The treated half goes through a Session, or, with ``control``, is plain too."""
     module, train_step = trainer(model)
+    with tempfile.TemporaryDirectory(prefix="gm-overhead-") as root:  # GBs at 124M: removed
+        return _measure(algorithm, pairs, poll_interval, control, module, train_step, root)
+
+
+def _measure(
+    algorithm: DiLoCo,
+    pairs: int,
+    poll_interval: float,
+    control: bool,
+    module: Any,
+    train_step: Callable[[], int],
+    root: str,
+) -> Pairs:
     session = Session(
         module,
         algorithm=algorithm,
-        mailbox=mailbox_from_url(tempfile.mkdtemp(prefix="gm-overhead-")),
+        mailbox=mailbox_from_url(root),
         poll_interval=poll_interval,
         lease_every=5.0,
         lease_timeout=15.0,

@@ -26,6 +26,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from overhead import session_threads_cpu
@@ -43,10 +44,17 @@ def run(steps: int, sleep: float) -> tuple[float, float, float, int]:
     trainer = TorchTrainer(config, seed=0, lr=1e-3, warmup=10, total_steps=10**9)
     data = batches(load_corpus().train, batch=8, context=config.context, seed=0, node=0)
     parameters = list(trainer.model.parameters())
+    with tempfile.TemporaryDirectory(prefix="gm-session-cpu-") as root:  # removed after
+        return _run(steps, sleep, trainer, data, parameters, root)
+
+
+def _run(
+    steps: int, sleep: float, trainer: Any, data: Any, parameters: list[Any], root: str
+) -> tuple[float, float, float, int]:
     session = Session(
         trainer.model,
         algorithm=DiLoCo(inner_steps=50, fragments=4, overlap_steps=10),
-        mailbox=mailbox_from_url(tempfile.mkdtemp(prefix="gm-session-cpu-")),
+        mailbox=mailbox_from_url(root),
         poll_interval=1.0,
         lease_every=5.0,
         lease_timeout=15.0,

@@ -305,6 +305,26 @@ class FloatBackend:
                 mixed = array("f", c)
             live.values = mixed
 
+    def difference(self, commit: Tensors, since: Tensors, *, owned: bool = False) -> Tensors:
+        names = _matching("difference", commit, since)
+        return {
+            n: Vector(
+                _vector(commit[n]).shape,
+                array("f", map(float.__sub__, commit[n].values, since[n].values)),
+            )
+            for n in names
+        }
+
+    def shift(self, adapter: Adapter, difference: Tensors) -> None:
+        names = _matching("shift", difference)
+        if not isinstance(adapter, FloatModel):
+            raise TypeError("the float backend shifts a FloatModel")
+        for n in names:
+            live = adapter.parameters[n]
+            if live.shape != _vector(difference[n]).shape:
+                raise SchemaMismatch([n], "shift: the tensors differ in shape")
+            live.values = array("f", map(float.__add__, live.values, difference[n].values))
+
 
 def _vector(t: object) -> Vector:
     if not isinstance(t, Vector):

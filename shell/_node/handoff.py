@@ -45,6 +45,10 @@ class Ready:
     """The commit's parameters as the fragment's next base, when the node keeps its base in a
     file (``spill``): written there on the learner loop's thread, so the training thread only
     swaps which file it points to."""
+    difference: Tensors | None = None
+    """``commit - capture`` (``Backend.difference``, in the capture's memory) when the commit
+    is of the round this node's capture was uploaded for and the merge mixes no ``alpha``:
+    a merge since the snapshot adds it (``Backend.shift``). The capture itself is spent."""
 
 
 class Handoff:

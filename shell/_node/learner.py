@@ -111,6 +111,9 @@ class LearnerLoop(Loop[polling.PollState]):
         K = self._algorithm.fragments
         self._residual: list[spill.Base | None] = [None] * K
         self._params: dict[int, tuple[Commit, Tensors]] = {}
+        self._uploaded: dict[int, tuple[int, Tensors]] = {}
+        """Each fragment's capture uploaded last, by round, while its commit may come (a
+        merge since it adds ``commit - capture``, computed here: ``_deliver``)."""
         self._sent: dict[int, tuple[Job, Snapshot, Tensors | None, int, str]] = {}
         self._handlers: dict[type, Callable[[Any], Awaitable[Result | None]]] = {
             Upload: self._upload,
@@ -138,6 +141,8 @@ class LearnerLoop(Loop[polling.PollState]):
         self._backend.ready(job.captured)
         delta = spill.delta(self._backend, job.base, job.captured, self._residual[k])
         self._residual[k] = None  # in the delta now: not held (nor spilled) twice
+        if self._algorithm.alpha is None:
+            self._uploaded[k] = (publish.round, job.captured)
         quantization = self._algorithm.quantization
         # An unquantized delta goes to this node's closer as tensors (``_watch``), so its
         # payload is lent (the delta is unchanged until written) and the exchange need not
@@ -229,7 +234,21 @@ class LearnerLoop(Loop[polling.PollState]):
         base = spill.spill(self._backend, tensors, self._spill_dir) if self._spills else None
         if base is not None:
             self._handover.put_base(commit.fragment, commit, base)
-        ready = Ready(commit=commit, tensors=tensors, counted=deliver.counted, base=base)
+        difference = None
+        uploaded = self._uploaded.get(commit.fragment)
+        if uploaded is not None and uploaded[0] <= commit.round:
+            # The capture's last use: its delta is computed, and the training thread merges
+            # since it only for this round (a newer commit merges since the base).
+            del self._uploaded[commit.fragment]
+            if uploaded[0] == commit.round:
+                difference = self._backend.difference(tensors, uploaded[1], owned=True)
+        ready = Ready(
+            commit=commit,
+            tensors=tensors,
+            counted=deliver.counted,
+            base=base,
+            difference=difference,
+        )
         self._handoff.deliver(ready)
 
     async def _seen(self, seen: Seen) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from gradientmail._events import Callback, Merged, Rebased
 from gradientmail._node.drive import Inbox
 from gradientmail._node.handoff import Handoff, Job, Ready
-from gradientmail._node.release import WORTH_TRIMMING, release_memory
+from gradientmail._node.release import WORTH_TRIMMING, release_memory_soon
 from gradientmail._node.spill import Base, SpilledBase
 from gradientmail.adapters.base import Adapter, Backend, Tensors
 from gradientmail.core import learner
@@ -103,10 +103,12 @@ class Trainer:
             )
             self._execute(effects, ready)
         if freed >= WORTH_TRIMMING:
+            # The commits' tensors, merged, are spent (and the captures they were merged
+            # since): a thread of its own frees them and gives their pages back to the system
+            # now, not at the next round's trim (they were allocated on the loops' threads).
+            spent: list[object] = [readies]
             del ready, readies
-            # The commits' tensors, merged, are spent: their pages go back to the system now,
-            # not at the next round's trim (they were allocated on the loops' threads).
-            release_memory()
+            release_memory_soon(spent)
 
     def _execute(self, effects: Sequence[learner.Effect], ready: Ready | None) -> None:
         for effect in effects:
@@ -130,7 +132,16 @@ class Trainer:
         k, commit = merge.fragment, ready.tensors
         since = self._captured[k] if merge.since == "snapshot" else self._base[k]
         # With alpha the commit is mixed into the live parameters; ``since`` is not used.
-        if merge.alpha is not None:
+        if merge.since == "snapshot" and merge.alpha is None and ready.difference is not None:
+            if self.steps == self._captured_at[k]:
+                # Nothing trained since the capture (a close): the live parameters are the
+                # capture, so the merge is the commit, bit for bit.
+                self._backend.merge(self._adapter, commit, since=None, alpha=None)
+            else:
+                # commit - capture, computed by the learner loop in the capture's memory:
+                # one pass over the live parameters here, not two.
+                self._backend.shift(self._adapter, ready.difference)
+        elif merge.alpha is not None:
             self._backend.merge(self._adapter, commit, since=None, alpha=merge.alpha)
         elif isinstance(since, SpilledBase):
             # A rebase onto a base kept in a file: one tensor of it in memory at a time.

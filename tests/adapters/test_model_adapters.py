@@ -323,6 +323,67 @@ def test_a_capture_into_reserved_memory_is_the_same_copy_in_that_memory(fw: Any,
         assert fw.numpy(again["w"]).tolist() == (start + 1).tolist()
 
 
+def typed_adapter(fw: Any, kind: str, weight: np.ndarray[Any, Any], dtype: str) -> Any:
+    """An adapter of one parameter ``w`` of ``dtype``: a model's, or bytes (``DictAdapter``)."""
+    if kind == "bytes":
+        return DictAdapter(fw.backend.dump({"w": fw.tensor(weight, dtype)}))
+    if fw.name == "torch":
+        import torch
+
+        class Holder(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                w = torch.from_numpy(weight.copy())
+                self.w = torch.nn.Parameter(w if dtype == "F32" else w.to(torch.bfloat16))
+
+        return fw.backend.adapter(Holder())
+    import mlx.nn as nn
+
+    class MLXHolder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = fw.tensor(weight, dtype)
+
+    return fw.backend.adapter(MLXHolder())
+
+
+@pytest.mark.parametrize("dtype", ["F32", "BF16"])
+@pytest.mark.parametrize("kind", ["model", "bytes"])
+def test_a_shift_by_the_difference_is_the_merge_since_a_capture(
+    fw: Any, kind: str, dtype: str
+) -> None:
+    rng = np.random.default_rng(5)
+    start = rng.standard_normal(257).astype(np.float32)
+    trained = start + rng.standard_normal(257).astype(np.float32) * np.float32(1e-2)
+    adapters = [typed_adapter(fw, kind, start, dtype) for _ in range(2)]
+    captured = [fw.backend.capture(adapter, ["w"]) for adapter in adapters]
+    for adapter in adapters:  # training moves on from the capture
+        fw.backend.merge(adapter, {"w": fw.tensor(trained)}, since=None, alpha=None)
+    live = live_values(fw, adapters[0])
+    commit_values = start + rng.standard_normal(257).astype(np.float32) * np.float32(0.1)
+    commit = {"w": fw.tensor(commit_values, dtype)}
+    fw.backend.merge(adapters[0], commit, since=captured[0], alpha=None)
+
+    since = fw.numpy(captured[1]["w"])
+    difference = fw.backend.difference(commit, captured[1], owned=True)
+    if fw.name == "torch" and kind == "model" and dtype == "F32":
+        assert difference["w"] is captured[1]["w"]  # the spent capture's memory
+    fw.backend.shift(adapters[1], difference)
+    shifted = live_values(fw, adapters[1])
+    assert adapters[1].read(["w"])["w"].dtype == dtype
+    # live + (commit - since): each operation rounded to F32, the sum to the parameter's dtype.
+    c = fw.numpy(commit["w"])
+    assert np.array_equal(fw.numpy(difference["w"]), c - since)
+    assert np.array_equal(shifted, fw.numpy(fw.tensor(live + (c - since), dtype)))
+    # The merge it stands for, up to that one rounding.
+    merged = live_values(fw, adapters[0])
+    np.testing.assert_allclose(shifted, merged, rtol=2e-2 if dtype == "BF16" else 1e-6, atol=1e-6)
+    with pytest.raises(SchemaMismatch):
+        fw.backend.shift(adapters[1], {"v": difference["w"]})
+    with pytest.raises(SchemaMismatch):
+        fw.backend.difference(commit, {"v": captured[0]["w"]})
+
+
 def test_tensors_cross_between_the_training_and_communication_threads(fw: Any) -> None:
     start = np.float32([1.0, 2.0, -3.0, 0.5])
     adapter = live_adapter(fw, "model", start)

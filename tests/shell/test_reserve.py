@@ -1,8 +1,11 @@
-"""A capture's memory prepared off the training thread (``Backend.reserve``) one step before
-the capture: the node uses it, and trains to the same parameters as without it."""
+"""Work taken off the training thread: a capture's memory prepared one step before the capture
+(``Backend.reserve``), which the node uses and trains to the same parameters as without it;
+spent tensors freed and the allocator trimmed on a thread of their own."""
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 from virtual_run import drift, lone_session, make_model  # noqa: E402
 
-from gradientmail._node import training  # noqa: E402
+from gradientmail._node import release, training  # noqa: E402
 from gradientmail.adapters.base import Adapter, Tensors  # noqa: E402
 from gradientmail.adapters.torch import TorchBackend  # noqa: E402
 
@@ -81,3 +84,42 @@ def test_a_reservation_for_another_fragment_is_not_used_and_a_failure_is_raised(
     reserved.request(0, ["no.such.parameter"])
     with pytest.raises(Exception, match=r"no\.such\.parameter"):
         reserved.take(0)
+
+
+class Spent:
+    """Stands for a merged commit's tensors: says on which thread it was freed."""
+
+    def __init__(self, freed: list[str], done: threading.Event) -> None:
+        self.freed, self.done = freed, done
+
+    def __del__(self) -> None:
+        self.freed.append(threading.current_thread().name)
+        self.done.set()
+
+
+def test_spent_objects_are_freed_on_the_releasing_thread() -> None:
+    freed: list[str] = []
+    done = threading.Event()
+    spent: list[object] = [Spent(freed, done)]
+    release.release_memory_soon(spent)
+    assert spent == []  # taken out: the caller holds no reference
+    assert done.wait(10)
+    assert freed == ["gradientmail-release"]
+    release.release_memory_soon()  # nothing to free: a trim alone
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_a_forked_child_starts_its_own_releasing_thread() -> None:
+    release.release_memory_soon()  # the parent's thread runs
+    pid = os.fork()
+    if pid == 0:  # the child: its object must still be freed, on a thread of its own
+        code = 1
+        try:
+            freed: list[str] = []
+            done = threading.Event()
+            release.release_memory_soon([Spent(freed, done)])
+            code = 0 if done.wait(10) and freed == ["gradientmail-release"] else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
