@@ -108,6 +108,10 @@ class SimConfig:
     # was drawn (``Outcome.faults`` lists the ids that fired: a hash of the incarnation, the
     # fault and its place, and its count there); None: every fault drawn fires.
     faults_kept: tuple[str, ...] | None = None
+    # The same for request latency: only the delays with these ids are waited (``Outcome.
+    # delays``: a hash of the incarnation, the request's leg, kind and key, and its count
+    # there); every other request takes none. None: every delay drawn is waited.
+    latency_kept: tuple[str, ...] | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.nodes < 1 or self.rounds < 1:
@@ -190,13 +194,11 @@ def setting_text(value: object) -> str:
 def _parse(name: str, text: str, current: object) -> object:
     if text in ("None", "none") and name not in ("latency",):
         return None
-    if name == "faults_kept":
+    if name in ("faults_kept", "latency_kept"):
         ids = sorted({part.strip() for part in text.split(",") if part.strip()})
         bad = [i for i in ids if len(i) != 8 or any(ch not in "0123456789abcdef" for ch in i)]
         if bad:
-            raise ValueError(
-                f"--set faults_kept: expected comma-separated 8-digit hex fault ids, got {bad}"
-            )
+            raise ValueError(f"--set {name}: expected comma-separated 8-digit hex ids, got {bad}")
         return tuple(ids)
     if isinstance(current, bool) or name == "naive":
         if text.lower() not in ("true", "false", "1", "0"):

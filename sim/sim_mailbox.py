@@ -90,6 +90,11 @@ class WriteObserver(Protocol):
         """Called as a GET executes."""
         ...
 
+    def delay(self, mailbox: SimMailbox, leg: str, key: str, drawn: float) -> float:
+        """The latency a request's ``leg`` (``"to get"``, ``"from put"``, ...) at ``key``
+        waits, given the ``drawn`` one (> 0)."""
+        ...
+
 
 class SimMailbox:
     """The mailbox as incarnation ``owner`` sees it (see the module docstring)."""
@@ -128,29 +133,33 @@ class SimMailbox:
         purpose = f"{kind} {_purpose(key)}"
         self.purposes[purpose] = self.purposes.get(purpose, 0) + 1
 
-    async def _travel(self) -> None:
+    async def _travel(self, leg: str, kind: str, key: str) -> None:
+        """One leg (``"to"`` the store or ``"from"`` it) of a request: its drawn latency, as
+        the observer lets it (``WriteObserver.delay``)."""
         delay = self._latency.draw()
         if delay > 0:
-            await self._clock.sleep(delay)
+            delay = self._observer.delay(self, f"{leg} {kind}", key, delay)
+            if delay > 0:
+                await self._clock.sleep(delay)
 
     async def get(self, key: str, *, limit: int | None = None) -> bytes | None:
         if self.naive and key.endswith("/commit") and key.startswith("rounds/"):
             listed = await self.list(key[: -len("commit")])
             if all(info.key != key for info in listed):
                 return None
-        await self._travel()
+        await self._travel("to", "get", key)
         self._count("get", key)
         self._observer.read(self, key)
         data = await self._inner.get(key, limit=limit)
-        await self._travel()
+        await self._travel("from", "get", key)
         return data
 
     async def list(self, prefix: str, *, after: str | None = None) -> list[ObjectInfo]:
-        await self._travel()
+        await self._travel("to", "list", prefix)
         self._count("list", prefix)
         infos = await self._inner.list(prefix, after=after)
         self._observer.listed(self, prefix, infos)
-        await self._travel()
+        await self._travel("from", "list", prefix)
         return infos
 
     async def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
@@ -167,7 +176,7 @@ class SimMailbox:
 
     async def _write(self, kind: str, key: str, data: bytes) -> bool | None:
         started = self._clock.time
-        await self._travel()
+        await self._travel("to", kind, key)
         if self._observer.before_write(self, kind, key, started):
             await self._clock.sleep(0.0)  # the pause holds the request here
         self._count(kind, key, bytes_out=len(data))
@@ -189,7 +198,7 @@ class SimMailbox:
         else:
             landed = now == data and before != data
         self._observer.after_write(self, kind, key, data, before, landed)
-        await self._travel()
+        await self._travel("from", kind, key)
         if error is not None:
             raise error
         return result

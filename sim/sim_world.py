@@ -63,6 +63,9 @@ class Outcome:
     notes: dict[str, int]
     faults: tuple[str, ...] = ()
     """The faults that fired, in order, by their ids (``SimConfig.faults_kept``)."""
+    delays: tuple[str, ...] = ()
+    """The request latencies waited, in order, by their ids (``SimConfig.latency_kept``); kept
+    only in a traced run (``keep_trace``) or one with ``latency_kept`` set."""
 
 
 @attrs.define(eq=False)
@@ -120,6 +123,8 @@ class World:
         self.heal_at = c.safety * c.planned
         self._fault_seen: dict[str, int] = {}
         self.faults_fired: list[str] = []
+        self._delay_seen: dict[str, int] = {}
+        self.delays_waited: list[str] = []
         self.bound = self._bound()
         self.world = self.scheduler.process("world")
         self.slots = [self._slot(i) for i in range(c.nodes)]
@@ -241,6 +246,7 @@ class World:
             trace=tuple((t, who, str(what)) for t, who, what in self.trace),
             notes=dict(self.notes),
             faults=tuple(self.faults_fired),
+            delays=tuple(self.delays_waited),
         )
 
     def _limit(self) -> float:
@@ -434,6 +440,25 @@ class World:
         if self.keep_trace:
             self.trace.append((self.clock.time, inc.label, f"fault {fid}: {what} ({n})"))
         return True
+
+    def delay(self, mailbox: SimMailbox, leg: str, key: str, drawn: float) -> float:
+        """The latency waited: as drawn, or with ``latency_kept`` set, only if its id is kept
+        (else none). The id is a hash of the incarnation, the leg and key, and how many legs
+        like it the incarnation drew before, as a fault's is (``_decide``). Ids are kept only
+        in a traced run or one with ``latency_kept`` (a swarm's runs spend nothing on them)."""
+        kept = self.config.latency_kept
+        if kept is None and not self.keep_trace:
+            return drawn
+        text = f"{mailbox.owner.label} {leg} {key}"
+        n = self._delay_seen.get(text, 0)
+        self._delay_seen[text] = n + 1
+        did = hashlib.blake2s(f"{text} {n}".encode(), digest_size=4).hexdigest()
+        if kept is not None and did not in kept:
+            return 0.0
+        self.delays_waited.append(did)
+        if kept is not None and self.keep_trace:  # the few a shrunk run keeps, named
+            self.trace.append((self.clock.time, mailbox.owner.label, f"delay {did}: {text}"))
+        return drawn
 
     def _pause(self, inc: Incarnation, why: str) -> None:
         c = self.config

@@ -144,9 +144,11 @@ def shrink(outcome: Outcome, *, budget: float = 60.0) -> tuple[Outcome, dict[str
        among 2, while another seed does (``overrides`` then names the seed).
     2. Choices, by delta debugging (``ddmin_faults``): of the faults that fired in that run,
        a subset that still fails and from which no single fault can be dropped (as far as the
-       budget allowed), kept with ``faults_kept``.
+       budget allowed), kept with ``faults_kept``; then the same of the request latencies
+       waited (``ddmin_delays``, ``latency_kept``), every other request taking none.
 
-    The replay command carries every setting, ``faults_kept`` included."""
+    The replay command carries every setting, ``faults_kept`` and ``latency_kept``
+    included."""
     kind = outcome.violations[0].kind
     best: Outcome = outcome
     overrides: dict[str, str] = {}
@@ -176,6 +178,10 @@ def shrink(outcome: Outcome, *, budget: float = 60.0) -> tuple[Outcome, dict[str
         best = ddmin_faults(best, deadline=deadline)
         if best.config.faults_kept is not None:
             overrides["faults_kept"] = setting_text(best.config.faults_kept)
+    if best.delays:
+        best = ddmin_delays(best, deadline=deadline)
+        if best.config.latency_kept is not None:
+            overrides["latency_kept"] = setting_text(best.config.latency_kept)
     return best, overrides
 
 
@@ -188,27 +194,41 @@ def ddmin_faults(outcome: Outcome, *, deadline: float) -> Outcome:
     A kept fault the rerun never reaches does not fire, so each success continues from the
     faults that did. Stops at ``deadline`` (``time.perf_counter``) with the smallest failing
     run so far."""
+    return _ddmin(outcome, "faults", "faults_kept", deadline=deadline)
+
+
+def ddmin_delays(outcome: Outcome, *, deadline: float) -> Outcome:
+    """``ddmin_faults`` for the request latencies ``outcome``'s run waited (a traced run's
+    ``Outcome.delays``): the run with the fewest kept (``SimConfig.latency_kept``; every
+    other request takes no time on the way) that still shows the first violation's kind.
+    These order the interleaving of requests: what is left is the slowness the violation
+    needs. Stops at ``deadline``."""
+    return _ddmin(outcome, "delays", "latency_kept", deadline=deadline)
+
+
+def _ddmin(outcome: Outcome, chosen: str, field: str, *, deadline: float) -> Outcome:
+    """ddmin of the choices ``outcome.<chosen>`` lists, kept by ``SimConfig.<field>``."""
     kind = outcome.violations[0].kind
     best = outcome
 
-    def fails(kept: Sequence[int]) -> bool:
+    def fails(kept: Sequence[str]) -> bool:
         nonlocal best
         if time.perf_counter() >= deadline:
             return False
-        result = simulate(attrs.evolve(best.config, faults_kept=tuple(sorted(kept))))
+        result = simulate(attrs.evolve(best.config, **{field: tuple(sorted(kept))}))
         if result.violations and result.violations[0].kind == kind:
             # Kept ids the rerun never reached change nothing: the same run keeps only those
-            # that fired.
-            fired = attrs.evolve(result.config, faults_kept=tuple(sorted(set(result.faults))))
-            best = attrs.evolve(result, config=fired)
+            # it made.
+            made = tuple(sorted(set(getattr(result, chosen))))
+            best = attrs.evolve(result, config=attrs.evolve(result.config, **{field: made}))
             return True
         return False
 
     if fails(()):
         return best
     n = 2
-    while len(best.faults) >= 2 and time.perf_counter() < deadline:
-        items = list(best.faults)
+    while len(getattr(best, chosen)) >= 2 and time.perf_counter() < deadline:
+        items = list(getattr(best, chosen))
         chunks = [items[i * len(items) // n : (i + 1) * len(items) // n] for i in range(n)]
         if any(fails(chunk) for chunk in chunks):
             n = 2

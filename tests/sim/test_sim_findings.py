@@ -12,7 +12,7 @@ import pytest
 
 from sim.sim_config import SimConfig
 from sim.sim_world import Outcome, World, simulate
-from sim.simulate import ddmin_faults, main, replay_command, run_seed, shrink
+from sim.simulate import ddmin_delays, ddmin_faults, main, replay_command, run_seed, shrink
 from specs.bugs import BUGS
 
 # A small, fast cluster: 4 nodes, short leases, a round every 8 steps of 0.2 s.
@@ -119,6 +119,42 @@ def test_delta_debugging_keeps_only_the_faults_a_violation_needs() -> None:
     assert [what.split()[1].rstrip(":") for what in fired] == list(small.faults)
     again = simulate(small.config)
     assert again.digest == small.digest and again.violations == small.violations
+
+
+def test_kept_latencies_wait_as_drawn_and_none_kept_is_no_latency() -> None:
+    config = SimConfig(seed=2, **BASE)
+    traced = simulate(config)
+    assert len(traced.delays) > 100  # every request's two legs, named
+    assert simulate(config, keep_trace=False).delays == ()  # a swarm's run names none
+    waited = tuple(sorted(set(traced.delays)))
+    assert simulate(attrs.evolve(config, latency_kept=waited)).digest == traced.digest
+    zero = simulate(attrs.evolve(config, latency_kept=()))
+    assert zero.delays == () and zero.digest != traced.digest
+    assert zero.digest == simulate(attrs.evolve(config, latency="none")).digest
+
+
+def test_delta_debugging_keeps_only_the_request_latencies_a_violation_needs() -> None:
+    # A takeover opened at once is seen only while a close outlasts the others' next poll:
+    # without latency the run holds, so some slow requests are what fails it.
+    found = first_found("takeover-early", range(6), plant="takeover-now", latency_mean=0.05)
+    assert found is not None
+    traced = simulate(found.config)
+    assert traced.digest == found.digest and len(traced.delays) > 100
+    assert not simulate(attrs.evolve(found.config, latency_kept=())).violations
+    small = ddmin_delays(traced, deadline=time.perf_counter() + 120.0)
+    assert small.violations[0].kind == "takeover-early"
+    assert 0 < len(small.delays) < len(traced.delays) / 4, len(small.delays)
+    assert small.config.latency_kept == tuple(sorted(set(small.delays)))
+    for delay in small.delays:  # none can be dropped: each is slowness the violation needs
+        rest = tuple(d for d in small.delays if d != delay)
+        without = simulate(attrs.evolve(small.config, latency_kept=rest), keep_trace=False)
+        assert [v.kind for v in without.violations[:1]] != ["takeover-early"], delay
+    named = [what.split()[1].rstrip(":") for _, _, what in small.trace if what.startswith("delay ")]
+    assert named == list(small.delays)  # the trace names each one it waited
+    again = simulate(small.config)
+    assert again.digest == small.digest and again.violations == small.violations
+    replay = replay_command(small.config, {"latency_kept": ",".join(small.delays)})
+    assert "latency_kept=" in replay
 
 
 def test_without_a_plant_the_base_runs_are_clean() -> None:
