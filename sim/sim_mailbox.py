@@ -90,9 +90,9 @@ class WriteObserver(Protocol):
         """Called as a GET executes."""
         ...
 
-    def delay(self, mailbox: SimMailbox, leg: str, key: str, drawn: float) -> float:
-        """The latency a request's ``leg`` (``"to get"``, ``"from put"``, ...) at ``key``
-        waits, given the ``drawn`` one (> 0)."""
+    def delay(self, mailbox: SimMailbox, leg: str, kind: str, key: str, drawn: float) -> float:
+        """The latency a ``leg`` (``"to"`` the store or ``"from"`` it) of a request of ``kind``
+        at ``key`` waits, given the ``drawn`` one (> 0)."""
         ...
 
 
@@ -138,7 +138,7 @@ class SimMailbox:
         the observer lets it (``WriteObserver.delay``)."""
         delay = self._latency.draw()
         if delay > 0:
-            delay = self._observer.delay(self, f"{leg} {kind}", key, delay)
+            delay = self._observer.delay(self, leg, kind, key, delay)
             if delay > 0:
                 await self._clock.sleep(delay)
 

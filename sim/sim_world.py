@@ -441,7 +441,7 @@ class World:
             self.trace.append((self.clock.time, inc.label, f"fault {fid}: {what} ({n})"))
         return True
 
-    def delay(self, mailbox: SimMailbox, leg: str, key: str, drawn: float) -> float:
+    def delay(self, mailbox: SimMailbox, leg: str, kind: str, key: str, drawn: float) -> float:
         """The latency waited: as drawn, or with ``latency_kept`` set, only if its id is kept
         (else none). The id is a hash of the incarnation, the leg and key, and how many legs
         like it the incarnation drew before, as a fault's is (``_decide``). Ids are kept only
@@ -449,7 +449,7 @@ class World:
         kept = self.config.latency_kept
         if kept is None and not self.keep_trace:
             return drawn
-        text = f"{mailbox.owner.label} {leg} {key}"
+        text = f"{mailbox.owner.label} {leg} {kind} {key}"
         n = self._delay_seen.get(text, 0)
         self._delay_seen[text] = n + 1
         did = hashlib.blake2s(f"{text} {n}".encode(), digest_size=4).hexdigest()
