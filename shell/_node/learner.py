@@ -45,10 +45,15 @@ from gradientmail.core.robust import snapshot_bound
 from gradientmail.core.tensors import TensorBytes, Tensorish
 from gradientmail.mailboxes._protocol import data_size
 
-__all__ = ["LearnerLoop", "read_commit", "read_params"]
+__all__ = ["MERGE_BY_DIFFERENCE", "LearnerLoop", "read_commit", "read_params"]
 
 UNTRUSTED = (RejectedObject, SchemaMismatch, NonFinite)
 """What reading another node's bytes may raise: the object is not used, never the loop's end."""
+
+
+MERGE_BY_DIFFERENCE = True
+"""Whether a merge since the snapshot adds ``commit - capture`` computed here (``_deliver``,
+``Backend.shift``), or takes two passes on the training thread (``Backend.merge``)."""
 
 
 async def read_commit(exchange: Exchange, r: int, *, verify: bool = True) -> CommitRead:
@@ -141,7 +146,7 @@ class LearnerLoop(Loop[polling.PollState]):
         self._backend.ready(job.captured)
         delta = spill.delta(self._backend, job.base, job.captured, self._residual[k])
         self._residual[k] = None  # in the delta now: not held (nor spilled) twice
-        if self._algorithm.alpha is None:
+        if self._algorithm.alpha is None and MERGE_BY_DIFFERENCE:
             self._uploaded[k] = (publish.round, job.captured)
         quantization = self._algorithm.quantization
         # An unquantized delta goes to this node's closer as tensors (``_watch``), so its

@@ -133,9 +133,10 @@ class Trainer:
         since = self._captured[k] if merge.since == "snapshot" else self._base[k]
         # With alpha the commit is mixed into the live parameters; ``since`` is not used.
         if merge.since == "snapshot" and merge.alpha is None and ready.difference is not None:
-            if self.steps == self._captured_at[k]:
-                # Nothing trained since the capture (a close): the live parameters are the
-                # capture, so the merge is the commit, bit for bit.
+            if self.state.closing and self.steps == self._captured_at[k]:
+                # Captured by close() or at the last step() before it: nothing has trained
+                # since (step() follows every optimizer step), so the live parameters are the
+                # capture, and the merge is the commit, bit for bit.
                 self._backend.merge(self._adapter, commit, since=None, alpha=None)
             else:
                 # commit - capture, computed by the learner loop in the capture's memory:

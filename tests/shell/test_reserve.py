@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,7 +17,8 @@ torch = pytest.importorskip("torch")
 
 from virtual_run import drift, lone_session, make_model  # noqa: E402
 
-from gradientmail._node import release, training  # noqa: E402
+from gradientmail import Committed, DiLoCo, Published, Session, mailbox_from_url  # noqa: E402
+from gradientmail._node import learner, release, training  # noqa: E402
 from gradientmail.adapters.base import Adapter, Tensors  # noqa: E402
 from gradientmail.adapters.torch import TorchBackend  # noqa: E402
 
@@ -67,6 +69,47 @@ def test_captures_go_into_reserved_memory_and_train_to_the_same_parameters(
     # captures close() makes were not forecast.
     assert sum(on.into) == 12 and len(on.reserved) == 12
     assert all(names for names in on.reserved)
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_a_merge_by_the_difference_keeps_the_steps_trained_since_the_capture(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overlap: int
+) -> None:
+    """The learner loop's ``commit - capture`` and the training thread's one pass give the
+    two-pass merge's parameters, up to one rounding a merge: the steps trained between the
+    capture and the merge (each moves every parameter by 0.01) are kept. Each step waits for
+    the commit of what it published, so that with overlap 1 the commit is merged at the
+    start of the next ``step()``, one training step after its capture."""
+    finals = {}
+    for by_difference in (False, True):
+        monkeypatch.setattr(learner, "MERGE_BY_DIFFERENCE", by_difference)
+        model = make_model()
+        events: list[object] = []
+        session = Session(
+            model,
+            algorithm=DiLoCo(inner_steps=4, fragments=2, overlap_steps=overlap),
+            mailbox=mailbox_from_url(f"file://{tmp_path / str(by_difference)}"),
+            poll_interval=0.05,
+            lease_every=1.0,
+            lease_timeout=3.0,
+            callbacks=(events.append,),
+        )
+        with session:
+            for _ in range(24):
+                drift(model, session, 1)
+                deadline = time.monotonic() + 10
+                while count(events, Committed) < count(events, Published):
+                    assert time.monotonic() < deadline, "no commit"
+                    time.sleep(0.01)
+                time.sleep(0.1)  # the commit delivered to the training side
+        assert session.rounds_seen >= 10
+        finals[by_difference] = [p.detach().numpy().copy() for p in model.parameters()]
+    for a, b in zip(finals[False], finals[True], strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+
+def count(events: list[object], kind: type) -> int:
+    return sum(isinstance(event, kind) for event in events)
 
 
 def test_a_reservation_for_another_fragment_is_not_used_and_a_failure_is_raised() -> None:
