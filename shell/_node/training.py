@@ -59,10 +59,13 @@ class Trainer:
         self._captured: list[Tensors | None] = [None] * self.algorithm.fragments
         self.steps = 0  # inner steps counted by this process
         self._captured_at = [0] * self.algorithm.fragments
+        self._calls = 0  # step() calls begun: the user trains between two
+        self._captured_in = [0] * self.algorithm.fragments  # the call each capture was in
         self._reserved = _Reserved(backend, adapter)
 
     def advance(self, samples: int) -> None:
         """Apply ready commits, then count one inner step of ``samples`` tokens."""
+        self._calls += 1
         self._apply_ready()
         self.steps += 1
         self.state, effects = learner.step(self.state, self.algorithm, samples)
@@ -133,10 +136,11 @@ class Trainer:
         since = self._captured[k] if merge.since == "snapshot" else self._base[k]
         # With alpha the commit is mixed into the live parameters; ``since`` is not used.
         if merge.since == "snapshot" and merge.alpha is None and ready.difference is not None:
-            if self.state.closing and self.steps == self._captured_at[k]:
-                # Captured by close() or at the last step() before it: nothing has trained
-                # since (step() follows every optimizer step), so the live parameters are the
-                # capture, and the merge is the commit, bit for bit.
+            if self._calls == self._captured_in[k]:
+                # Merged in the step() call that captured (held at the bound), or after
+                # close() with no step() since: nothing has trained since the capture (step()
+                # follows every optimizer step), so the live parameters are the capture, and
+                # the merge is the commit, bit for bit.
                 self._backend.merge(self._adapter, commit, since=None, alpha=None)
             else:
                 # commit - capture, computed by the learner loop in the capture's memory:
@@ -186,6 +190,7 @@ class Trainer:
         del into
         self._captured[k] = captured
         self._captured_at[k] = self.steps
+        self._captured_in[k] = self._calls
         nonce = self.state.fragments[k].nonce
         assert nonce is not None
         self._handoff.put_job(
