@@ -247,7 +247,8 @@ class TorchBackend(ArrayBackend):
             # Written over the spent ``since``: F32 ``commit`` values, or exact F32 values of
             # F16/BF16 ones (type promotion), less ``since``: one rounding, as ``_f32(c) - s``.
             return torch.sub(commit, since, out=since)
-        return commit.to(self.device, torch.float32) - since.to(self.device, torch.float32)
+        difference: torch.Tensor = super()._difference(commit, since, owned=owned)
+        return difference
 
     def _shift_live(self, adapter: TorchAdapter, names: Sequence[str], difference: Tensors) -> None:
         with torch.no_grad():

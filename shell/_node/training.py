@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 from gradientmail._events import Callback, Merged, Rebased
 from gradientmail._node.drive import Inbox
@@ -209,37 +210,28 @@ class _Reserved:
         self._backend = backend
         self._adapter = adapter
         self._fragment: int | None = None
-        self._thread: threading.Thread | None = None
-        self._made: list[Tensors] = []
-        self._failed: list[BaseException] = []
+        self._made: Future[Tensors] | None = None
 
     def request(self, fragment: int, names: Sequence[str]) -> None:
         """Start reserving ``names`` for ``fragment``'s capture, dropping any other."""
         if self._fragment == fragment:
             return
-        self._fragment = fragment
-        made: list[Tensors] = []
-        failed: list[BaseException] = []
-        self._made, self._failed = made, failed
+        made: Future[Tensors] = Future()
+        self._fragment, self._made = fragment, made
 
         def reserve() -> None:
             try:
-                made.append(self._backend.reserve(self._adapter, names))
+                made.set_result(self._backend.reserve(self._adapter, names))
             except BaseException as exc:  # raised on the training thread by ``take``
-                failed.append(exc)
+                made.set_exception(exc)
 
-        self._thread = threading.Thread(target=reserve, name="gradientmail-reserve", daemon=True)
-        self._thread.start()
+        threading.Thread(target=reserve, name="gradientmail-reserve", daemon=True).start()
 
     def take(self, fragment: int) -> Tensors:
         """What was reserved for ``fragment`` (waiting for it to be made), or nothing when
         the reservation was for another fragment; either way the reservation is spent."""
-        thread, made, failed = self._thread, self._made, self._failed
-        mine = self._fragment == fragment
-        self._fragment, self._thread, self._made, self._failed = None, None, [], []
-        if thread is None or not mine:
+        made, mine = self._made, self._fragment == fragment
+        self._fragment, self._made = None, None
+        if made is None or not mine:
             return {}
-        thread.join()
-        if failed:
-            raise failed[0]
-        return made[0]
+        return made.result()  # raises what ``reserve`` raised
