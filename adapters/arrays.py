@@ -94,15 +94,28 @@ class ArrayBackend(ArrayKernels):
             lent[name] = TensorView(dtype=dtype, shape=tuple(t.shape), data=self._lent(t))
         return lent
 
-    def delta(self, base: Tensors, local: Tensors, residual: Tensors | None = None) -> Tensors:
+    def delta(
+        self,
+        base: Tensors,
+        local: Tensors,
+        residual: Tensors | None = None,
+        *,
+        owned: bool = False,
+    ) -> Tensors:
         names = matching("delta", base, local, residual)
         out = {}
         for name in names:
-            d = self._f32(base[name]) - self._f32(local[name])
-            if residual is not None:
-                d += self._f32(residual[name])
-            out[name] = d
+            one = None if residual is None else residual[name]
+            out[name] = self._delta(base[name], local[name], one, owned=owned)
         return self._evaluated(out)
+
+    def _delta(self, base: Array, local: Array, residual: Array | None, *, owned: bool) -> Array:
+        """``base - local (+ residual)`` in F32 (``delta``); a framework whose arrays can be
+        written may put it in an owned F32 ``local``."""
+        d = self._f32(base) - self._f32(local)
+        if residual is not None:
+            d += self._f32(residual)
+        return d
 
     def encode(
         self, delta: Tensors, quantization: Quantized | None, *, owned: bool = False

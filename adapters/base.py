@@ -88,8 +88,17 @@ class Backend(Protocol):
         stay valid while no one writes ``tensors``. A device tensor is copied to the host."""
         ...
 
-    def delta(self, base: Tensors, local: Tensors, residual: Tensors | None = None) -> Tensors:
-        """``base - local`` in F32, plus the error-feedback ``residual`` when given."""
+    def delta(
+        self,
+        base: Tensors,
+        local: Tensors,
+        residual: Tensors | None = None,
+        *,
+        owned: bool = False,
+    ) -> Tensors:
+        """``base - local`` in F32, plus the error-feedback ``residual`` when given.
+        ``owned``: the caller gives ``local`` up, and an F32 ``local`` may hold the result
+        (torch writes it there: no new memory), so ``local`` must not be read afterwards."""
         ...
 
     def encode(

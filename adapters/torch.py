@@ -250,6 +250,24 @@ class TorchBackend(ArrayBackend):
         difference: torch.Tensor = super()._difference(commit, since, owned=owned)
         return difference
 
+    def _delta(
+        self,
+        base: torch.Tensor,
+        local: torch.Tensor,
+        residual: torch.Tensor | None,
+        *,
+        owned: bool,
+    ) -> torch.Tensor:
+        if owned and local.dtype == torch.float32 and local.device == base.device:
+            # Written over the spent ``local``: ``base`` (exact in F32 if F16/BF16) less
+            # ``local``, one rounding, then the residual's, as ``_f32(b) - l + r``.
+            d = torch.sub(base, local, out=local)
+            if residual is not None:
+                d.add_(residual)
+            return d
+        delta: torch.Tensor = super()._delta(base, local, residual, owned=owned)
+        return delta
+
     def _shift_live(self, adapter: TorchAdapter, names: Sequence[str], difference: Tensors) -> None:
         with torch.no_grad():
             for name, parameter in adapter.tensors(names).items():

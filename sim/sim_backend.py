@@ -163,7 +163,14 @@ class FloatBackend:
             for name, v in ((n, _vector(t)) for n, t in tensors.items())
         }
 
-    def delta(self, base: Tensors, local: Tensors, residual: Tensors | None = None) -> Tensors:
+    def delta(
+        self,
+        base: Tensors,
+        local: Tensors,
+        residual: Tensors | None = None,
+        *,
+        owned: bool = False,
+    ) -> Tensors:
         names = _matching("delta", base, local, residual)
         out: Tensors = {}
         for n in names:

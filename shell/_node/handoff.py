@@ -31,6 +31,10 @@ class Job:
     nonce: str
     base: Base
     captured: Tensors
+    final: bool = False
+    """Captured once training had ended (``close``): its commit is merged with nothing
+    trained since, so it sets the commit and needs no ``commit - capture``, and the delta
+    may be computed in the capture's memory."""
 
 
 @attrs.frozen(kw_only=True, eq=False)

@@ -144,10 +144,15 @@ class LearnerLoop(Loop[polling.PollState]):
             return None
         publish, k = job.publish, job.publish.fragment
         self._backend.ready(job.captured)
-        delta = spill.delta(self._backend, job.base, job.captured, self._residual[k])
+        # A capture made once training ended is not needed after its delta (its merge sets
+        # the commit): the delta takes its memory. Otherwise it is kept for the difference.
+        final = job.final
+        delta = spill.delta(self._backend, job.base, job.captured, self._residual[k], owned=final)
         self._residual[k] = None  # in the delta now: not held (nor spilled) twice
-        if self._algorithm.alpha is None and MERGE_BY_DIFFERENCE:
+        if self._algorithm.alpha is None and MERGE_BY_DIFFERENCE and not final:
             self._uploaded[k] = (publish.round, job.captured)
+        else:
+            self._uploaded.pop(k, None)
         quantization = self._algorithm.quantization
         # An unquantized delta goes to this node's closer as tensors (``_watch``), so its
         # payload is lent (the delta is unchanged until written) and the exchange need not

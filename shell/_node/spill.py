@@ -149,11 +149,14 @@ def _where(exc: OSError, directory: str | None) -> OSError:
     )
 
 
-def delta(backend: Backend, base: Base, captured: Tensors, residual: Base | None) -> Tensors:
+def delta(
+    backend: Backend, base: Base, captured: Tensors, residual: Base | None, *, owned: bool = False
+) -> Tensors:
     """``backend.delta`` with a base or residual that may be spilled: then one tensor at a
-    time, so a single tensor of each file is in memory at once."""
+    time, so a single tensor of each file is in memory at once. ``owned``: ``captured`` is
+    given up (``Backend.delta``)."""
     if not isinstance(base, SpilledBase) and not isinstance(residual, SpilledBase):
-        return backend.delta(base, captured, residual)
+        return backend.delta(base, captured, residual, owned=owned)
     for group in (base, residual):
         if group is not None and set(group) != set(captured):
             names = sorted(set(group) ^ set(captured))
@@ -161,7 +164,7 @@ def delta(backend: Backend, base: Base, captured: Tensors, residual: Base | None
     out: dict[str, Any] = {}
     for name in captured:
         one = None if residual is None else {name: residual[name]}
-        out.update(backend.delta({name: base[name]}, {name: captured[name]}, one))
+        out.update(backend.delta({name: base[name]}, {name: captured[name]}, one, owned=owned))
     return out
 
 

@@ -62,6 +62,7 @@ class Trainer:
         self._captured_at = [0] * self.algorithm.fragments
         self._calls = 0  # step() calls begun: the user trains between two
         self._captured_in = [0] * self.algorithm.fragments  # the call each capture was in
+        self._final = [False] * self.algorithm.fragments  # captured once training ended
         self._reserved = _Reserved(backend, adapter)
 
     def advance(self, samples: int) -> None:
@@ -136,17 +137,20 @@ class Trainer:
         k, commit = merge.fragment, ready.tensors
         since = self._captured[k] if merge.since == "snapshot" else self._base[k]
         # With alpha the commit is mixed into the live parameters; ``since`` is not used.
-        if merge.since == "snapshot" and merge.alpha is None and ready.difference is not None:
-            if self._calls == self._captured_in[k]:
-                # Merged in the step() call that captured (held at the bound), or after
-                # close() with no step() since: nothing has trained since the capture (step()
-                # follows every optimizer step), so the live parameters are the capture, and
-                # the merge is the commit, bit for bit.
-                self._backend.merge(self._adapter, commit, since=None, alpha=None)
-            else:
-                # commit - capture, computed by the learner loop in the capture's memory:
-                # one pass over the live parameters here, not two.
-                self._backend.shift(self._adapter, ready.difference)
+        plain = merge.since == "snapshot" and merge.alpha is None
+        if plain and (
+            self._final[k] or (ready.difference is not None and self._calls == self._captured_in[k])
+        ):
+            # Merged in the step() call that captured (held at the bound), or after close()
+            # with no step() since: nothing has trained since the capture (step() follows
+            # every optimizer step), so the live parameters are the capture, and the merge is
+            # the commit, bit for bit. (A capture close() made is spent on its delta: only
+            # this merge is right for it, and no step() follows close().)
+            self._backend.merge(self._adapter, commit, since=None, alpha=None)
+        elif plain and ready.difference is not None:
+            # commit - capture, computed by the learner loop in the capture's memory: one pass
+            # over the live parameters here, not two.
+            self._backend.shift(self._adapter, ready.difference)
         elif merge.alpha is not None:
             self._backend.merge(self._adapter, commit, since=None, alpha=merge.alpha)
         elif isinstance(since, SpilledBase):
@@ -159,6 +163,7 @@ class Trainer:
             self._backend.merge(self._adapter, commit, since=since, alpha=None)
         self._base[k] = ready.base if ready.base is not None else commit
         self._captured[k] = None
+        self._final[k] = False
         self.rounds_seen = max(self.rounds_seen, merge.round)
         # Steps the commit overlapped: since this fragment's capture; none when it merges on
         # the base (a round this node's snapshot was not part of).
@@ -189,14 +194,18 @@ class Trainer:
         into = self._reserved.take(k)
         captured = self._backend.capture(self._adapter, self._manifest.fragments[k], into=into)
         del into
-        self._captured[k] = captured
+        # Once training has ended (close), the learner loop spends the capture on its delta
+        # and the merge sets the commit: it is not kept here.
+        final = self.state.closing
+        self._captured[k] = None if final else captured
+        self._final[k] = final
         self._captured_at[k] = self.steps
         self._captured_in[k] = self._calls
         nonce = self.state.fragments[k].nonce
         assert nonce is not None
-        self._handoff.put_job(
-            Job(publish=publish, nonce=nonce, base=self._base[k], captured=captured)
-        )
+        job = Job(publish=publish, nonce=nonce, base=self._base[k], captured=captured, final=final)
+        del captured
+        self._handoff.put_job(job)
         self._loop.put(Captured(round=publish.round, nonce=nonce))
 
 

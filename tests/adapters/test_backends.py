@@ -196,6 +196,32 @@ def test_an_owned_delta_gives_the_same_payload_and_residual(fw: Any, quantizatio
         assert shared == [n for n in full if n != "t5"]
 
 
+@pytest.mark.parametrize("base_dtype", ["F32", "BF16"])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_an_owned_delta_is_the_same_delta_in_the_capture_memory(
+    fw: Any, base_dtype: str, with_residual: bool
+) -> None:
+    """``delta(..., owned=True)`` gives ``base - local (+ residual)`` bit for bit as the
+    unowned delta; torch writes an F32 ``local`` over (no new memory), MLX makes new arrays."""
+    rng = np.random.default_rng(12)
+    arrays = {f"t{i}": rng.standard_normal(s).astype(np.float32) for i, s in enumerate(ODD_SHAPES)}
+    bases = {n: fw.tensor(a + np.float32(0.5), base_dtype) for n, a in arrays.items()}
+    residual = (
+        {n: fw.tensor(rng.standard_normal(a.shape).astype(np.float32)) for n, a in arrays.items()}
+        if with_residual
+        else None
+    )
+    expected = fw.backend.delta(bases, {n: fw.tensor(a) for n, a in arrays.items()}, residual)
+    local = {n: fw.tensor(a) for n, a in arrays.items()}
+    got = fw.backend.delta(bases, local, residual, owned=True)
+    for name, want in expected.items():
+        values = fw.numpy(got[name])
+        assert values.dtype == np.float32 and values.shape == arrays[name].shape
+        assert (values.view(np.uint32) == fw.numpy(want).view(np.uint32)).all(), name
+    if fw.name == "torch":
+        assert all(got[n] is local[n] for n in arrays)
+
+
 def test_f8_values_near_the_f32_maximum_stay_finite(fw: Any) -> None:
     # max|x| / 2**120 just below 256 would round up to 256 * 2**120, F32's infinity.
     x = np.float32([3.4e38, -3.3e38, 2.9e38, 1.0])
