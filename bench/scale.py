@@ -25,6 +25,7 @@ It prints, per loop and as ratios against the plain loop:
     python bench/scale.py --model 355M --steps 60  # memory at 355M
     python bench/scale.py --nodes 3 --steps 150    # a node of a 3-process run
     python bench/scale.py --nodes 3 --steps 150 --spare  # ... where node 1 closes no round
+    python bench/scale.py --nodes 3 --steps 150 --barrier  # ... started together
     python bench/scale.py --quantization F8_E4M3   # a quantized delta
     # a closer's memory against its round's snapshots: 15.8M parameters, one fragment
     python bench/scale.py --model small --fragments 1 --inner-steps 10 --overlap 1 \
@@ -167,6 +168,10 @@ def _session_loop(args: argparse.Namespace, model: Any, train_step: Any) -> dict
         lease_timeout=60.0,
         callbacks=(on_event,),
     )
+    if args.barrier:
+        # Train only once every node of the run is active (the start barrier a fixed-size run
+        # uses): then no node starts rounds ahead of the others and waits for them each round.
+        session.wait_for_nodes(args.nodes, timeout=600)
     longest, over, calls = 0.0, 0, []
     start = 0.0
     for i in range(args.warmup + args.steps):
@@ -271,6 +276,7 @@ def spawn(args: argparse.Namespace, loop: str, rank: int, mailbox: str) -> subpr
         "--quantization",
         args.quantization,
         *(["--spare"] if args.spare else []),
+        *(["--barrier"] if args.barrier else []),
     ]
     return subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
 
@@ -329,6 +335,7 @@ def report(
         f"{args.nodes} node(s), {args.threads} torch threads, H={args.inner_steps}, "
         f"K={args.fragments}, overlap {args.overlap}, {args.quantization}, "
         f"{args.steps} measured steps after {args.warmup}"
+        + (", Session loops behind a start barrier" if args.barrier else "")
     )
     print(
         "targets (#19): ratio >= 0.95 for a lone node, 0.97 for a node of 3; longest step() "
@@ -405,6 +412,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--spare",
         action="store_true",
         help="with --nodes 3: name the nodes so that node 1 closes no round (a non-closer)",
+    )
+    parser.add_argument(
+        "--barrier",
+        action="store_true",
+        help="Session loops call wait_for_nodes(--nodes) before training (a start barrier)",
     )
     parser.add_argument("--child", choices=("plain", "session"), help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)

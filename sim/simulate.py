@@ -132,7 +132,9 @@ def run_seed(
     return simulate(config, keep_trace=keep_trace)
 
 
-def shrink(outcome: Outcome, *, budget: float = 60.0) -> tuple[Outcome, dict[str, str]]:
+def shrink(
+    outcome: Outcome, *, budget: float = 60.0, latencies: bool = True
+) -> tuple[Outcome, dict[str, str]]:
     """The smallest run found that still shows the first violation's kind, and the overrides
     that make it. Two stages within ``budget`` seconds together:
 
@@ -148,7 +150,8 @@ def shrink(outcome: Outcome, *, budget: float = 60.0) -> tuple[Outcome, dict[str
        waited (``ddmin_delays``, ``latency_kept``), every other request taking none.
 
     The replay command carries every setting, ``faults_kept`` and ``latency_kept``
-    included."""
+    included. ``latencies=False`` leaves the latencies out of stage 2 (every request keeps its
+    draw)."""
     kind = outcome.violations[0].kind
     best: Outcome = outcome
     overrides: dict[str, str] = {}
@@ -178,7 +181,7 @@ def shrink(outcome: Outcome, *, budget: float = 60.0) -> tuple[Outcome, dict[str
         best = ddmin_faults(best, deadline=deadline)
         if best.config.faults_kept is not None:
             overrides["faults_kept"] = setting_text(best.config.faults_kept)
-    if best.delays:
+    if latencies and best.delays:
         best = ddmin_delays(best, deadline=deadline)
         if best.config.latency_kept is not None:
             overrides["latency_kept"] = setting_text(best.config.latency_kept)

@@ -17,6 +17,7 @@ def test_scale_runs_both_loops_and_measures_every_figure() -> None:
     pytest.importorskip("transformers")
     command = [sys.executable, str(BENCH), "--model", "tiny", "--steps", "16", "--warmup", "1"]
     command += ["--inner-steps", "8", "--fragments", "2", "--overlap", "1", "--threads", "1"]
+    command += ["--barrier"]  # a lone node's start barrier: itself
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     (plain,), (session,) = figures["plain"], figures["session"]
