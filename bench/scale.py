@@ -142,8 +142,12 @@ def _session_loop(args: argparse.Namespace, model: Any, train_step: Any) -> dict
     summed: dict[int, int] = {}  # the rounds this node committed: snapshots in each
     lock = threading.Lock()
 
+    timeline: list[tuple[float, str, int]] = []  # wall clock, event, round: across nodes
+
     def on_event(event: object) -> None:
         now = time.perf_counter()
+        if isinstance(event, Published | Committed | Merged):
+            timeline.append((time.time(), type(event).__name__, event.round))
         with lock:
             if isinstance(event, Published):
                 published[event.round] = (now, event.bytes, event.fragment)
@@ -179,6 +183,7 @@ def _session_loop(args: argparse.Namespace, model: Any, train_step: Any) -> dict
             start = time.perf_counter()
         train_step()
         t = time.perf_counter()
+        timeline.append((time.time(), "step", i - args.warmup))
         session.step(samples=CONTEXT)
         spent = time.perf_counter() - t
         calls.append(spent)
@@ -225,6 +230,7 @@ def _session_loop(args: argparse.Namespace, model: Any, train_step: Any) -> dict
         "rounds_published": len(published),
         "rounds_closed": len(summed),
         "most_summed": max(summed.values(), default=0),
+        "timeline": timeline,
     }
 
 
