@@ -177,7 +177,11 @@ class FloatBackend:
             d = array("f", map(float.__sub__, base[n].values, local[n].values))
             if residual is not None:
                 d = array("f", map(float.__add__, d, residual[n].values))
-            out[n] = Vector(base[n].shape, d)
+            if owned:  # as torch does: the spent ``local`` holds the delta, so a later read
+                local[n].values[:] = d  # of it as parameters shows in the simulation
+                out[n] = local[n]
+            else:
+                out[n] = Vector(base[n].shape, d)
         return out
 
     def encode(

@@ -156,7 +156,9 @@ def delta(
     time, so a single tensor of each file is in memory at once. ``owned``: ``captured`` is
     given up (``Backend.delta``)."""
     if not isinstance(base, SpilledBase) and not isinstance(residual, SpilledBase):
-        return backend.delta(base, captured, residual, owned=owned)
+        if not owned:  # the call a backend written before ``owned`` existed also takes
+            return backend.delta(base, captured, residual)
+        return backend.delta(base, captured, residual, owned=True)
     for group in (base, residual):
         if group is not None and set(group) != set(captured):
             names = sorted(set(group) ^ set(captured))
