@@ -151,8 +151,6 @@ class LearnerLoop(Loop[polling.PollState]):
         self._residual[k] = None  # in the delta now: not held (nor spilled) twice
         if self._algorithm.alpha is None and MERGE_BY_DIFFERENCE and not final:
             self._uploaded[k] = (publish.round, job.captured)
-        else:
-            self._uploaded.pop(k, None)
         quantization = self._algorithm.quantization
         # An unquantized delta goes to this node's closer as tensors (``_watch``), so its
         # payload is lent (the delta is unchanged until written) and the exchange need not

@@ -155,10 +155,10 @@ def delta(
     """``backend.delta`` with a base or residual that may be spilled: then one tensor at a
     time, so a single tensor of each file is in memory at once. ``owned``: ``captured`` is
     given up (``Backend.delta``)."""
+    # Unowned, the call a backend written before ``owned`` existed also takes.
+    extra = {"owned": True} if owned else {}
     if not isinstance(base, SpilledBase) and not isinstance(residual, SpilledBase):
-        if not owned:  # the call a backend written before ``owned`` existed also takes
-            return backend.delta(base, captured, residual)
-        return backend.delta(base, captured, residual, owned=True)
+        return backend.delta(base, captured, residual, **extra)
     for group in (base, residual):
         if group is not None and set(group) != set(captured):
             names = sorted(set(group) ^ set(captured))
@@ -166,7 +166,7 @@ def delta(
     out: dict[str, Any] = {}
     for name in captured:
         one = None if residual is None else {name: residual[name]}
-        out.update(backend.delta({name: base[name]}, {name: captured[name]}, one, owned=owned))
+        out.update(backend.delta({name: base[name]}, {name: captured[name]}, one, **extra))
     return out
 
 
