@@ -197,7 +197,10 @@ def test_a_hostile_writer_process_beside_three_node_processes_changes_no_outcome
             cluster.kill_all()
     wrote = json.loads((tmp_path / "hostile" / "writer.json").read_text())
     assert wrote["replaced"] == [], "create-only keys held"
-    assert wrote["refused"] and wrote["passes"] >= 10
+    # It wrote while the nodes ran (a pass before the stop, and one after) and tried to replace
+    # honest records; how many passes fit in the run depends on the machine's load (6 under a
+    # loaded CI run, 10 or more here), so the squatted commits below show it kept ahead.
+    assert wrote["refused"] and wrote["passes"] >= 2
 
     report = audit(mailbox_from_url(hostile.url), backend=TorchBackend(), keyring=KEYRING)
     assert report.commits >= 8 and report.recomputed == report.commits

@@ -161,7 +161,14 @@ def test_closer_killed_between_claim_and_commit(
         for e in cluster.events(node)
     )
     assert report.commits >= 10
-    assert aligned(url)[2] < 0.25 * initial_loss()
+    loss = aligned(url)[2]
+    # A failure here has been seen once in CI and never here: say what the run did.
+    ran = {n: (r.get("final_loss"), r.get("rounds_seen")) for n, r in results.items()}
+    closed = [
+        (c.round, c.attempt, c.closer, sorted(i.node for i in c.included)) for c in commits(url)
+    ]
+    said = f"loss {loss}, stuck {stuck}, nodes {ran}, commits {closed}"
+    assert loss < 0.25 * initial_loss(), said
 
 
 def test_late_joiner_and_full_restart(tmp_path: Path, cluster_factory: type[Cluster]) -> None:
