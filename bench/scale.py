@@ -142,7 +142,8 @@ def _session_loop(args: argparse.Namespace, model: Any, train_step: Any) -> dict
     summed: dict[int, int] = {}  # the rounds this node committed: snapshots in each
     lock = threading.Lock()
 
-    timeline: list[tuple[float, str, int]] = []  # wall clock, event, round: across nodes
+    # wall clock, event, round (a step's index, then the process's CPU seconds): across nodes
+    timeline: list[tuple[Any, ...]] = []
 
     def on_event(event: object) -> None:
         now = time.perf_counter()
@@ -178,12 +179,13 @@ def _session_loop(args: argparse.Namespace, model: Any, train_step: Any) -> dict
         session.wait_for_nodes(args.nodes, timeout=600)
     longest, over, calls = 0.0, 0, []
     start = 0.0
+    cpu_before = thread_cpu()
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             start = time.perf_counter()
         train_step()
         t = time.perf_counter()
-        timeline.append((time.time(), "step", i - args.warmup))
+        timeline.append((time.time(), "step", i - args.warmup, time.process_time()))
         session.step(samples=CONTEXT)
         spent = time.perf_counter() - t
         calls.append(spent)
@@ -193,6 +195,7 @@ def _session_loop(args: argparse.Namespace, model: Any, train_step: Any) -> dict
     seconds = time.perf_counter() - start
     # The peak while training, apart from close() (which publishes every fragment at once).
     training_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    cpu = {n: c - cpu_before.get(n, 0.0) for n, c in thread_cpu().items()}
     t = closing = time.perf_counter()
     session.close()
     close_seconds = time.perf_counter() - t
@@ -231,7 +234,30 @@ def _session_loop(args: argparse.Namespace, model: Any, train_step: Any) -> dict
         "rounds_closed": len(summed),
         "most_summed": max(summed.values(), default=0),
         "timeline": timeline,
+        "thread_cpu": cpu,
     }
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds (user and system) each live thread of this process has used, by thread name
+    (threads Python did not start, such as torch's pool, as ``native-<id>``); {} off Linux."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    found: dict[str, float] = {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        # utime and stime: fields 14 and 15 of stat, the 12th and 13th after the name
+        name = names.get(int(task), f"native-{task}")
+        found[name] = found.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return found
 
 
 def _write_time(url: str, size: int) -> float:
@@ -385,6 +411,11 @@ def report(
                 f"{s['write_seconds']:.2f} s: median {times:.1f}x "
                 "(target <= 4x for a lone node)"
             )
+        cpu = sorted(s["thread_cpu"].items(), key=lambda item: -item[1])
+        print(
+            f"node{s['rank']}: CPU seconds by thread while training: "
+            + ", ".join(f"{name} {seconds:.1f}" for name, seconds in cpu if seconds >= 0.05)
+        )
         if s["close_latencies"]:
             late = s["close_latencies"]
             print(
