@@ -707,8 +707,11 @@ class InitWritten:
 
 @attrs.frozen(kw_only=True)
 class Gather:
-    """Message to the syncer: the node waits to see the run's nodes before it trains (list the
-    leases at the quick cadence until it publishes)."""
+    """Message to the syncer: the node waits to see ``count`` of the run's nodes before it
+    trains (list the leases every ``poll_interval`` while its view holds fewer, then at the
+    quick cadence until it publishes)."""
+
+    count: int = 0
 
 
 @attrs.frozen(kw_only=True)

@@ -88,7 +88,8 @@ class SyncerState:
     """The syncer's lease keeper, the rounds it watches (ascending), the commits it knows
     (a window), the peers those commits included, the rounds it will collect
     and when (``collect``: ``(round, due)``), whether it is stopping, and whether the node
-    waits to see the run's nodes (``gathering``: from ``Gather`` to its first snapshot)."""
+    waits to see the run's nodes (``gathering``: from ``Gather`` to its first snapshot, and
+    ``awaiting``, how many it waits to see)."""
 
     keeper: Keeper = attrs.Factory(Keeper)
     rounds: tuple[RoundState, ...] = ()
@@ -97,6 +98,7 @@ class SyncerState:
     collect: tuple[tuple[int, float], ...] = ()
     stopping: bool = False
     gathering: bool = False
+    awaiting: int = 0
     hurried: frozenset[int] = frozenset()  # rounds this node's training waits for (Hurry)
 
     def commit(self, r: int) -> Commit | None:
@@ -137,7 +139,7 @@ def step(
     effects += more
     state, more = _collect(state, now, settings)
     effects += more
-    every = lease_cadence(state, settings)
+    every = lease_cadence(state, settings, now=now)
     keeper, more = leases.watch(state.keeper, now=now, every=every)
     if keeper is not state.keeper:
         state = attrs.evolve(state, keeper=keeper)
@@ -152,23 +154,31 @@ def step(
     return state, [*effects, Wait(until=until, reason=reason)], reason
 
 
-def lease_cadence(state: SyncerState, settings: Settings) -> float:
-    """Seconds between this node's LISTs of ``leases/`` (Decision 8).
+def lease_cadence(state: SyncerState, settings: Settings, *, now: float) -> float:
+    """Seconds between this node's LISTs of ``leases/`` at ``now`` (Decision 8).
+
+    ``poll_interval`` (when shorter) while the node waits at the start barrier
+    (``wait_for_nodes``: ``Gather``) and its view holds fewer active nodes than it waits for:
+    every node leaves the barrier within about a poll of the last one's join, so the first
+    round does not wait on a node that saw the others up to ``lease_every / 2`` late.
 
     ``lease_every / 2`` while its view decides something: while the node waits to see the
-    run's nodes before training (``Gather``, sent by ``wait_for_nodes``; until its first
-    snapshot), while it is attentive to a round (``closing.attentive``: it may close or
-    take over, by the nodes it sees live), and while it is leaving with rounds in flight (its
-    last rounds have no later round to correct a stale prediction: without a LIST, the last
-    node of a run that closed would leave its final rounds to nodes long gone, for
-    ``takeover`` seconds). Otherwise never (``Settings.lease_idle`` sets a
-    cadence): the view then only predicts who closes a round, which the closer it predicts,
-    the understudy and a takeover correct, and a node that becomes attentive lists at once
-    when its last LIST is older than ``lease_every / 2``. Expiry is judged the same at any
-    cadence (a version unchanged ``lease_timeout`` after it was first seen, at the
-    observer's last LIST), only noticed later.
+    run's nodes before training (``Gather``; until its first snapshot), while it is attentive
+    to a round (``closing.attentive``: it may close or take over, by the nodes it sees live),
+    and while it is leaving with rounds in flight (its last rounds have no later round to
+    correct a stale prediction: without a LIST, the last node of a run that closed would leave
+    its final rounds to nodes long gone, for ``takeover`` seconds). Otherwise never
+    (``Settings.lease_idle`` sets a cadence): the view then only predicts who closes a round,
+    which the closer it predicts, the understudy and a takeover correct, and a node that
+    becomes attentive lists at once when its last LIST is older than ``lease_every / 2``.
+    Expiry is judged the same at any cadence (a version unchanged ``lease_timeout`` after it
+    was first seen, at the observer's last LIST), only noticed later.
     """
     leaving = state.keeper.leaving and bool(state.rounds)
+    if state.gathering and state.active(now=now, lease_timeout=settings.lease_timeout) < (
+        state.awaiting
+    ):
+        return min(settings.poll_interval, settings.lease_every / 2)
     if state.gathering or leaving or any(s.attentive for s in state.rounds):
         return settings.lease_every / 2
     return math.inf if settings.lease_idle is None else settings.lease_idle
@@ -188,7 +198,7 @@ def _take(
     if isinstance(item, Seen):
         return _learn(state, item.commit, settings), []
     if isinstance(item, Gather):
-        return attrs.evolve(state, gathering=True), []
+        return attrs.evolve(state, gathering=True, awaiting=max(state.awaiting, item.count)), []
     if isinstance(item, Hurry):
         return _hurry(state, item.round, settings), []
     if isinstance(item, Leave):

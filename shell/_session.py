@@ -245,9 +245,10 @@ class Session:
 
         Without it, a node that starts training before the others have joined closes its
         first rounds alone (a round waits only for the nodes its closer knows of). Returns
-        at most ``lease_every / 2`` seconds after the last node joined (the view is refreshed
-        by the syncer's lease LIST); raises ``ProtocolError`` naming the nodes seen when
-        ``timeout`` seconds pass first, and what a background loop died of.
+        about ``poll_interval`` seconds after the last node joined (the view is refreshed
+        by the syncer's lease LIST, every ``poll_interval`` while the node waits); raises
+        ``ProtocolError`` naming the nodes seen when ``timeout`` seconds pass first, and
+        what a background loop died of.
         """
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"wait_for_nodes: count must be a positive integer, got {count!r}")

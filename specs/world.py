@@ -243,7 +243,9 @@ def _started(world: World, i: int, state: join.JoinState) -> World:
                 "committed before its join began",
             )
     # With gather, the node waits to see every node before it trains (Session.wait_for_nodes).
-    inbox: tuple[fx.Result, ...] = (fx.Gather(),) if world.config.gather else ()
+    inbox: tuple[fx.Result, ...] = (
+        (fx.Gather(count=world.config.nodes),) if world.config.gather else ()
+    )
     node = node._replace(
         status=RUNNING,
         join=None,

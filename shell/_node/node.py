@@ -309,7 +309,8 @@ class Node:
         one rounds are closed by, so every round after this wait expects those nodes."""
         assert self.syncer is not None
         deadline = self.clock.now() + timeout
-        self.syncer.inbox.put(Gather())  # the leases are listed every lease_every / 2 meanwhile
+        # The leases are listed every poll meanwhile (lease_every / 2 once all are seen).
+        self.syncer.inbox.put(Gather(count=count))
         while True:
             self.handoff.raise_failure()
             now = self.clock.now()

@@ -108,12 +108,12 @@ def run(
 def test_a_node_that_decides_nothing_lists_only_when_it_starts() -> None:
     state, listed = run(syncer.SyncerState(), 0.0, 300.0)
     assert listed == [0.0]
-    assert syncer.lease_cadence(state, SETTINGS) == math.inf
+    assert syncer.lease_cadence(state, SETTINGS, now=0.0) == math.inf
 
 
 def test_the_idle_cadence_can_be_set() -> None:
     settings = attrs.evolve(SETTINGS, lease_idle=TIMEOUT)
-    assert syncer.lease_cadence(syncer.SyncerState(), settings) == TIMEOUT
+    assert syncer.lease_cadence(syncer.SyncerState(), settings, now=0.0) == TIMEOUT
 
 
 def test_a_gathering_node_lists_every_half_renewal_until_it_publishes() -> None:
@@ -130,6 +130,18 @@ def test_a_gathering_node_lists_every_half_renewal_until_it_publishes() -> None:
     state, listed = run(state, 50.5, 60.0, (), nodes)
     assert all(s.attentive for s in state.rounds)
     assert listed == [50.5, 55.5]
+
+
+def test_a_node_at_the_start_barrier_lists_every_poll_until_it_sees_them_all() -> None:
+    """``wait_for_nodes(3)``: until the view holds three active nodes the leases are listed
+    every ``poll_interval`` (1 s), so the barrier opens about a poll after the last join, not
+    up to ``lease_every / 2`` (5 s) after; then every half renewal until the first snapshot."""
+    state, listed = run(syncer.SyncerState(), 0.0, 5.0, [Gather(count=3)], ("node-b",))
+    assert state.awaiting == 3
+    assert listed == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    state, listed = run(state, 5.5, 20.0, (), ("node-b", "node-c"))
+    assert listed == [6.0, 11.0, 16.0]
+    assert syncer.lease_cadence(state, SETTINGS, now=20.0) == EVERY / 2
 
 
 def test_a_reporter_reads_a_round_that_waits_for_stragglers_once_per_takeover() -> None:
@@ -164,9 +176,9 @@ def test_a_leaving_node_lists_every_half_renewal_until_its_rounds_are_done() -> 
     state, listed = run(state, 20.5, 40.0, [Leave()], nodes)
     assert state.keeper.leaving and state.rounds
     assert listed == [20.5, 25.5, 30.5, 35.5]
-    assert syncer.lease_cadence(state, SETTINGS) == EVERY / 2
+    assert syncer.lease_cadence(state, SETTINGS, now=0.0) == EVERY / 2
     done = attrs.evolve(state, rounds=())
-    assert syncer.lease_cadence(done, SETTINGS) == math.inf
+    assert syncer.lease_cadence(done, SETTINGS, now=0.0) == math.inf
 
 
 def test_a_closer_whose_training_waits_reads_the_round_four_times_an_interval() -> None:
