@@ -135,7 +135,15 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _session_loop(args: argparse.Namespace, model: Any, train_step: Any) -> dict[str, Any]:
-    from gradientmail import Committed, DiLoCo, Merged, Published, Session, mailbox_from_url
+    from gradientmail import (
+        Claimed,
+        Committed,
+        DiLoCo,
+        Merged,
+        Published,
+        Session,
+        mailbox_from_url,
+    )
 
     published: dict[int, tuple[float, int, int]] = {}
     closed: dict[int, float] = {}
@@ -147,7 +155,7 @@ def _session_loop(args: argparse.Namespace, model: Any, train_step: Any) -> dict
 
     def on_event(event: object) -> None:
         now = time.perf_counter()
-        if isinstance(event, Published | Committed | Merged):
+        if isinstance(event, Published | Claimed | Committed | Merged):
             timeline.append((time.time(), type(event).__name__, event.round))
         with lock:
             if isinstance(event, Published):
@@ -177,6 +185,7 @@ def _session_loop(args: argparse.Namespace, model: Any, train_step: Any) -> dict
         # Train only once every node of the run is active (the start barrier a fixed-size run
         # uses): then no node starts rounds ahead of the others and waits for them each round.
         session.wait_for_nodes(args.nodes, timeout=600)
+        timeline.append((time.time(), "released", 0))
     longest, over, calls = 0.0, 0, []
     start = 0.0
     cpu_before = thread_cpu()

@@ -35,6 +35,9 @@ from gradientmail.mailboxes._protocol import Mailbox
 
 __all__ = ["Node", "adapter_of"]
 
+BARRIER_LOOK = 0.05
+"""Seconds between looks at the lease view while ``wait_for_nodes`` waits (no request)."""
+
 
 def adapter_of(model: object, backend: Backend | None) -> Adapter:
     if isinstance(model, Adapter):
@@ -324,7 +327,9 @@ class Node:
                     f"wait_for_nodes: {len(active)} of {count} nodes active after {timeout} s "
                     f"({', '.join(sorted(active))}); are the others started on this run?"
                 )
-            await self.handoff.bell.wait(self._poll_interval)
+            # The view is memory the syncer updates: looked at often, so the barrier opens
+            # as soon as a LIST shows the last node, not up to a poll later.
+            await self.handoff.bell.wait(min(self._poll_interval, BARRIER_LOOK))
 
     def begin_close(self) -> None:
         """Publish the last progress and release the lease at once (Decision 11)."""
