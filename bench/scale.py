@@ -181,6 +181,7 @@ def _session_loop(args: argparse.Namespace, model: Any, train_step: Any) -> dict
         lease_timeout=60.0,
         callbacks=(on_event,),
     )
+    timeline.append((time.time(), "joined", 0))
     if args.barrier:
         # Train only once every node of the run is active (the start barrier a fixed-size run
         # uses): then no node starts rounds ahead of the others and waits for them each round.
