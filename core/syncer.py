@@ -175,9 +175,10 @@ def lease_cadence(state: SyncerState, settings: Settings, *, now: float) -> floa
     was first seen, at the observer's last LIST), only noticed later.
     """
     leaving = state.keeper.leaving and bool(state.rounds)
-    if state.gathering and state.active(now=now, lease_timeout=settings.lease_timeout) < (
-        state.awaiting
-    ):
+    view, timeout = state.keeper.view, settings.lease_timeout
+    if state.gathering and (
+        leases.gathered(view, now=now, lease_timeout=timeout, count=state.awaiting) is None
+    ):  # the barrier's own test (``Node.wait_for_nodes``): not open yet
         return min(settings.poll_interval, settings.lease_every / 2)
     if state.gathering or leaving or any(s.attentive for s in state.rounds):
         return settings.lease_every / 2
