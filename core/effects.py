@@ -716,7 +716,14 @@ class Gather:
 
 @attrs.frozen(kw_only=True)
 class Leave:
-    """Message: the node is leaving (release the lease now, close its rounds, then stop)."""
+    """From the learner to the syncer: the node is closing and has published everything it
+    trained (``learner.close``, Decision 11). Mark the lease ``left`` once this node's snapshots
+    of the rounds in ``after`` are uploaded (``Watch``) or their rounds committed, then close
+    its rounds and stop. A closer that sees a node left and lists the round's snapshots after
+    that LIST finds the node's last snapshot there: a ``left`` lease written before the upload
+    let a round close without it, and its progress went into a round of its own."""
+
+    after: tuple[int, ...] = ()
 
 
 @attrs.frozen(kw_only=True)

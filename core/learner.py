@@ -29,7 +29,7 @@ from __future__ import annotations
 import attrs
 
 from gradientmail.core.algorithm import DiLoCo
-from gradientmail.core.effects import Merge, Publish, Rebased
+from gradientmail.core.effects import Leave, Merge, Publish, Rebased
 from gradientmail.core.errors import ProtocolError
 from gradientmail.core.identity import derived
 
@@ -37,6 +37,7 @@ __all__ = [
     "Blocked",
     "FragmentState",
     "LearnerState",
+    "Leave",
     "Merge",
     "Publish",
     "Rebased",
@@ -93,14 +94,16 @@ class FragmentState:
 @attrs.frozen(kw_only=True)
 class LearnerState:
     """A learner's training side: each fragment's state, the steps taken, the next slot, the
-    slots deferred until a fragment is free, whether it is closing, and its ``process`` nonce
-    (which marks every snapshot it publishes: ``identity.derived``)."""
+    slots deferred until a fragment is free, whether it is closing (and has told the syncer to
+    leave: ``leaving``), and its ``process`` nonce (which marks every snapshot it publishes:
+    ``identity.derived``)."""
 
     fragments: tuple[FragmentState, ...]
     step: int = 0
     slot: int = 1
     deferred: int = 0
     closing: bool = False
+    leaving: bool = False
     process: str = ""
 
 
@@ -113,7 +116,7 @@ class Blocked:
     reason: str
 
 
-Effect = Publish | Merge | Rebased
+Effect = Publish | Merge | Rebased | Leave
 
 
 def join(algorithm: DiLoCo, merged: tuple[int, ...], *, process: str = "") -> LearnerState:
@@ -268,10 +271,21 @@ def on_commit(
         # not a scheduled slot, so the overlap bound does not apply to it.
         state, publish = _publish(state, k, algorithm, bounded=False)
         effects.append(publish)
-        return _publish_owed(state, algorithm, effects)
+        return _leave(*_publish_owed(state, algorithm, effects))
     if state.closing:
         return _publish_remaining(state, algorithm, effects)
     return _settle(state, algorithm, effects)
+
+
+def _leave(state: LearnerState, effects: list[Effect]) -> tuple[LearnerState, list[Effect]]:
+    """Decision 11: a closing node leaves once nothing it trained is left to publish (a
+    fragment in flight publishes the rest of its training when its commit is merged), with the
+    rounds its snapshots in flight went to: its lease says ``left`` only once they are uploaded
+    (``Leave``), so a closer that sees it left finds its last snapshots too."""
+    if not state.closing or state.leaving or any(f.samples > 0 for f in state.fragments):
+        return state, effects
+    after = tuple(sorted(f.outstanding for f in state.fragments if f.outstanding is not None))
+    return attrs.evolve(state, leaving=True), [*effects, Leave(after=after)]
 
 
 def counted(
@@ -293,7 +307,8 @@ def counted(
 
 def close(state: LearnerState, algorithm: DiLoCo) -> tuple[LearnerState, list[Effect]]:
     """Training has ended: publish what every free fragment trained since its last snapshot;
-    fragments in flight publish theirs once merged."""
+    fragments in flight publish theirs once merged. ``Leave`` goes to the syncer once nothing
+    is left to publish (at once, or at the merge that publishes the last of it)."""
     state = attrs.evolve(state, closing=True, deferred=0)
     return _publish_remaining(state, algorithm, [])
 
@@ -310,7 +325,7 @@ def _publish_remaining(
         if f.free and f.samples > 0:
             state, publish = _publish(state, k, algorithm, bounded=False)
             effects.append(publish)
-    return state, effects
+    return _leave(state, effects)
 
 
 def _take_deferred(

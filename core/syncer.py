@@ -89,7 +89,8 @@ class SyncerState:
     (a window), the peers those commits included, the rounds it will collect
     and when (``collect``: ``(round, due)``), whether it is stopping, and whether the node
     waits to see the run's nodes (``gathering``: from ``Gather`` to its first snapshot, and
-    ``awaiting``, how many it waits to see)."""
+    ``awaiting``, how many it waits to see), and the rounds whose snapshots the node's ``left``
+    lease waits for (``departing``: from ``Leave`` until each is uploaded or committed)."""
 
     keeper: Keeper = attrs.Factory(Keeper)
     rounds: tuple[RoundState, ...] = ()
@@ -100,6 +101,7 @@ class SyncerState:
     gathering: bool = False
     awaiting: int = 0
     hurried: frozenset[int] = frozenset()  # rounds this node's training waits for (Hurry)
+    departing: frozenset[int] | None = None
 
     def commit(self, r: int) -> Commit | None:
         return dict(self.commits).get(r)
@@ -195,16 +197,15 @@ def _take(
     """One item of the view: a message, or a result routed to the leases, a round or GC."""
     algorithm = settings.manifest.algorithm
     if isinstance(item, Watch):
-        return _watch(state, item.round, settings), []
+        return _depart(_watch(state, item.round, settings), settings), []
     if isinstance(item, Seen):
-        return _learn(state, item.commit, settings), []
+        return _depart(_learn(state, item.commit, settings), settings), []
     if isinstance(item, Gather):
         return attrs.evolve(state, gathering=True, awaiting=max(state.awaiting, item.count)), []
     if isinstance(item, Hurry):
         return _hurry(state, item.round, settings), []
     if isinstance(item, Leave):
-        keeper = attrs.evolve(state.keeper, leaving=True, next_renewal=-math.inf)
-        return attrs.evolve(state, keeper=keeper), []
+        return _depart(attrs.evolve(state, departing=frozenset(item.after)), settings), []
     if isinstance(item, Stop):
         return attrs.evolve(state, stopping=True), []
     if isinstance(item, LeasesListed):
@@ -230,7 +231,7 @@ def _take(
     if isinstance(item, RoundListed):
         return state, [Delete(keys=gc.in_round(item.keys))] if item.keys else []
     if isinstance(item, CommitRead) and item.commit is not None and item.rejected is None:
-        state = _learn(state, item.commit, settings)
+        state = _depart(_learn(state, item.commit, settings), settings)
     r = _round_of(item, state, algorithm.fragments)
     if r is not None:
         routed.setdefault(r, []).append(item)
@@ -264,6 +265,25 @@ def _watch(state: SyncerState, r: int, settings: Settings) -> SyncerState:
         return attrs.evolve(state, rounds=rounds)
     rounds = tuple(sorted((*state.rounds, RoundState.new(r)), key=lambda s: s.round))
     return attrs.evolve(state, rounds=rounds)
+
+
+def _depart(state: SyncerState, settings: Settings) -> SyncerState:
+    """Mark the lease ``left`` (renewed at once) when the node is leaving and each round of
+    ``departing`` is watched (this node's snapshot in it is uploaded) or committed (Decision
+    11, ``Leave``)."""
+    if state.departing is None:
+        return state
+    K = settings.manifest.algorithm.fragments
+    watched = {s.round for s in state.rounds}
+    departing = frozenset(
+        r
+        for r in state.departing
+        if r not in watched and not any(_covers(c, r, K) for c, _ in state.commits)
+    )
+    if departing:
+        return state if departing == state.departing else attrs.evolve(state, departing=departing)
+    keeper = attrs.evolve(state.keeper, leaving=True, next_renewal=-math.inf)
+    return attrs.evolve(state, keeper=keeper, departing=None)
 
 
 def _hurry(state: SyncerState, r: int, settings: Settings) -> SyncerState:

@@ -257,9 +257,10 @@ class Session:
         return sorted(run_sync(self._node.wait_for_nodes(count, timeout)))
 
     def close(self) -> None:
-        """Publish what was trained since the last rounds, release the lease at once, wait for
-        those rounds to commit and merge them, then stop (Decision 11). After ``close`` the
-        model holds the final commits of the rounds this node took part in."""
+        """Publish what was trained since the last rounds, release the lease once that is
+        uploaded, wait for those rounds to commit and merge them, then stop (Decision 11).
+        After ``close`` the model holds the final commits of the rounds this node took part
+        in."""
         if self._closed:
             return
         self._closed = True

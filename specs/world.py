@@ -356,11 +356,15 @@ def _counted(world: World, fragment: Any, me: str) -> bool:
 
 
 def _publish(world: World, i: int, effects: list[learner.Effect]) -> World:
-    """The training side's ``Publish`` effects: capture a job, tell the learner loop."""
+    """The training side's ``Publish`` effects: capture a job, tell the learner loop; its
+    ``Leave``: tell the syncer."""
     node = world.node(i)
     assert node.trainer is not None
     jobs = list(node.jobs)
     for effect in effects:
+        if isinstance(effect, fx.Leave):
+            assert node.syncer is not None
+            node = node._replace(syncer=node.syncer._replace(inbox=(*node.syncer.inbox, effect)))
         if isinstance(effect, fx.Publish):
             f = node.trainer.fragments[effect.fragment]
             assert f.nonce is not None
@@ -384,13 +388,13 @@ def _publish(world: World, i: int, effects: list[learner.Effect]) -> World:
 
 
 def _leave(world: World, i: int) -> World:
-    """``Node.close`` begins: publish what is left (``learner.close``), release the lease."""
+    """``Node.close`` begins: publish what is left (``learner.close``); its ``Leave`` tells the
+    syncer to release the lease once those snapshots are uploaded."""
     world = _merge_all(world, i)
     node = world.node(i)
-    assert node.trainer is not None and node.syncer is not None
+    assert node.trainer is not None
     trainer, effects = learner.close(node.trainer, world.config.algorithm)
-    syncer_loop = node.syncer._replace(inbox=(*node.syncer.inbox, fx.Leave()))
-    node = node._replace(trainer=trainer, leaving=True, syncer=syncer_loop)
+    node = node._replace(trainer=trainer, leaving=True)
     world = _publish(world.with_node(i, node), i, effects)
     outstanding = [f.outstanding for f in trainer.fragments if f.outstanding is not None]
     return _hurry(world, i, outstanding)

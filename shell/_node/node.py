@@ -25,7 +25,7 @@ from gradientmail.adapters.base import Tensors
 from gradientmail.core import gc, join, keys, leases, polling, syncer
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.codecs import Compression
-from gradientmail.core.effects import Gather, Hurry, Leave, Stop
+from gradientmail.core.effects import Gather, Hurry, Stop
 from gradientmail.core.errors import ProtocolError
 from gradientmail.core.join import JoinState
 from gradientmail.core.robust import DEFAULT_OUTLIER_FACTOR
@@ -195,6 +195,7 @@ class Node:
             base=base,
             handoff=self.handoff,
             loop=learner_inbox,
+            syncer=syncer_inbox,
             on_event=self.on_event,
             rules=self._rules,
         )
@@ -332,15 +333,16 @@ class Node:
             await self.handoff.bell.wait(min(self._poll_interval, BARRIER_LOOK))
 
     def begin_close(self) -> None:
-        """Publish the last progress and release the lease at once (Decision 11)."""
-        assert self.trainer is not None and self.syncer is not None
+        """Publish the last progress; the learner rules tell the syncer to release the lease
+        once nothing is left to publish, and it does once those snapshots are uploaded
+        (Decision 11, ``core.effects.Leave``)."""
+        assert self.trainer is not None
         self.trainer.close()
-        self.syncer.inbox.put(Leave())
 
     async def close(self, timeout: float = math.inf) -> None:
-        """Publish what was trained since the last rounds, release the lease at once, wait for
-        those rounds to commit and merge them (Decision 11), then stop both loops. Raises
-        ``ProtocolError`` when they do not commit within ``timeout`` seconds."""
+        """Publish what was trained since the last rounds, release the lease once that is
+        uploaded, wait for those rounds to commit and merge them (Decision 11), then stop both
+        loops. Raises ``ProtocolError`` when they do not commit within ``timeout`` seconds."""
         assert self.trainer is not None
         try:
             self.begin_close()

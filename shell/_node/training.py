@@ -16,7 +16,7 @@ from gradientmail._node.release import WORTH_TRIMMING, release_memory_soon
 from gradientmail._node.spill import Base, SpilledBase
 from gradientmail.adapters.base import Adapter, Backend, Tensors
 from gradientmail.core import learner
-from gradientmail.core.effects import Captured, Merge, Publish
+from gradientmail.core.effects import Captured, Leave, Merge, Publish
 from gradientmail.core.effects import Rebased as Rebase
 from gradientmail.core.records import Manifest
 from gradientmail.core.rules import Rules
@@ -42,6 +42,7 @@ class Trainer:
         base: Sequence[Base],
         handoff: Handoff,
         loop: Inbox,
+        syncer: Inbox,
         on_event: Callback,
         rules: Rules,
     ) -> None:
@@ -54,6 +55,7 @@ class Trainer:
         self._manifest = manifest
         self._handoff = handoff
         self._loop = loop
+        self._syncer = syncer
         self._on_event = on_event
         self._rules = rules
         self._base: list[Base] = list(base)
@@ -130,6 +132,8 @@ class Trainer:
                         samples=effect.samples,
                     )
                 )
+            elif isinstance(effect, Leave):
+                self._syncer.put(effect)
             else:
                 self._capture(effect)
 

@@ -182,8 +182,11 @@ class MemoryMailbox:
         return cls(f"memory://{name}", faults=faults, clock=clock, _store=store)
 
     def handle(self, *, faults: Faults | None = None, clock: Clock | None = None) -> MemoryMailbox:
-        """Another handle on this store, with its own stats, faults and clock."""
-        return MemoryMailbox(self.url, faults=faults, clock=clock, _store=self._store)
+        """Another handle on this store, with its own stats and faults, and ``clock`` (this
+        handle's clock when not given)."""
+        return MemoryMailbox(
+            self.url, faults=faults, clock=clock or self._clock, _store=self._store
+        )
 
     async def get(self, key: str, *, limit: int | None = None) -> bytes | None:
         validate_key(key, store=self.url, operation="get")

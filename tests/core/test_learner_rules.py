@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from gradientmail.core import learner as rules
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.errors import ProtocolError
-from gradientmail.core.learner import Effect, LearnerState, Merge, Publish, Rebased
+from gradientmail.core.learner import Effect, LearnerState, Leave, Merge, Publish, Rebased
 
 
 def algo(h: int = 12, k: int = 3, overlap: int | None = None, alpha: float | None = None) -> DiLoCo:
@@ -314,7 +314,7 @@ def test_close_publishes_nothing_for_a_fragment_with_no_samples() -> None:
     a = algo(h=4, k=2)
     state, _ = run(fresh(a), a, 3, samples=0)
     state, effects = rules.close(state, a)
-    assert effects == [] and rules.done(state)
+    assert effects == [Leave(after=())] and rules.done(state)
 
 
 def test_overlap_zero_blocks_right_after_publishing() -> None:
@@ -520,6 +520,9 @@ def test_a_held_node_publishes_nothing_owed_after_the_holding_round() -> None:
 
 
 def test_close_publishes_free_fragments_and_waits_for_those_in_flight() -> None:
+    """Decision 11: ``Leave`` comes once, when the last of the node's training is published
+    (here at the merge after which the fragment in flight publishes what it trained since its
+    snapshot), naming the rounds of its snapshots in flight."""
     a = algo(h=4, k=2, overlap=None)
     state, _ = run(fresh(a), a, 3)
     state, effects = rules.close(state, a)
@@ -530,9 +533,11 @@ def test_close_publishes_free_fragments_and_waits_for_those_in_flight() -> None:
     assert effects == [
         Merge(fragment=0, round=0, since="snapshot", alpha=None),
         Publish(fragment=0, round=2, base_round=0, samples=1, steps=1),
+        Leave(after=(1, 2)),
     ]
     state, effects = rules.on_commit(state, a, round=1, included=True)
-    assert publishes(effects) == [] and not rules.done(state)
+    assert effects == [Merge(fragment=1, round=1, since="snapshot", alpha=None)]
+    assert not rules.done(state)
     state, effects = rules.on_commit(state, a, round=2, included=True)
     assert effects == [Merge(fragment=0, round=2, since="snapshot", alpha=None)]
     assert rules.done(state)
@@ -547,6 +552,7 @@ def test_a_missed_round_while_closing_republishes_everything() -> None:
     assert effects[1:] == [
         Rebased(fragment=0, missed=0, samples=4),
         Publish(fragment=0, round=1, base_round=0, samples=5, steps=5),
+        Leave(after=(1,)),
     ]
     assert not rules.done(state)
     state, _ = rules.on_commit(state, a, round=1, included=True)
@@ -556,7 +562,7 @@ def test_a_missed_round_while_closing_republishes_everything() -> None:
 def test_close_with_nothing_trained_is_done_at_once_and_idempotent() -> None:
     a = algo()
     state, effects = rules.close(fresh(a), a)
-    assert effects == [] and rules.done(state)
+    assert effects == [Leave(after=())] and rules.done(state)
     again, effects = rules.close(state, a)
     assert effects == [] and again == state
 

@@ -23,6 +23,7 @@ from gradientmail.core.effects import (
     ListClaims,
     ListLeases,
     ListSnapshots,
+    RenewLease,
     Result,
     Seen,
     SnapshotsListed,
@@ -179,6 +180,44 @@ def test_a_leaving_node_lists_every_half_renewal_until_its_rounds_are_done() -> 
     assert syncer.lease_cadence(state, SETTINGS, now=0.0) == EVERY / 2
     done = attrs.evolve(state, rounds=())
     assert syncer.lease_cadence(done, SETTINGS, now=0.0) == math.inf
+
+
+def test_the_lease_says_left_only_once_the_last_snapshots_are_uploaded() -> None:
+    """Decision 11 (``Leave``): a closing node's ``left`` lease is written once the snapshots
+    its close published are uploaded (``Watch``) or their rounds committed, never before: a
+    closer that sees it left then finds its last snapshot in the round."""
+    nodes = others(2, me_first=False)
+    state, _ = run(syncer.SyncerState(), 0.0, 1.0, (), nodes)
+    state, _ = run(state, 1.5, 3.0, [Leave(after=(2, 3))], nodes)
+    assert not state.keeper.leaving and state.departing == {2, 3}
+    state, _ = run(state, 3.5, 5.0, [Watch(round=2, ours=True)], nodes)
+    assert not state.keeper.leaving and state.departing == {3}
+    # Round 3's commit, learned before its upload was reported: nothing to wait for.
+    committed = Commit(
+        round=3,
+        fragment=0,
+        base_round=2,
+        closer="node-b",
+        attempt=0,
+        nonce=NONCE,
+        included=(
+            Included(
+                node="node-b", nonce=NONCE, samples=1, steps=10, base_round=2, digest="cd" * 32
+            ),
+        ),
+        params=PayloadRef(key=keys.params(3, NONCE), digest="cd" * 32, size=16),
+        state=PayloadRef(key=keys.state(3, NONCE), digest="cd" * 32, size=16),
+    )
+    state, effects, _ = syncer.step([Seen(commit=committed)], state, now=5.5, settings=SETTINGS)
+    assert state.keeper.leaving and state.departing is None
+    renewals = [e.lease for e in effects if isinstance(e, RenewLease)]
+    assert [(x.node, x.left) for x in renewals] == [("node-a", True)]
+
+
+def test_a_node_with_nothing_in_flight_leaves_at_once() -> None:
+    state, effects, _ = syncer.step([Leave()], syncer.SyncerState(), now=0.0, settings=SETTINGS)
+    assert state.keeper.leaving
+    assert [e.lease.left for e in effects if isinstance(e, RenewLease)] == [True]
 
 
 def test_a_closer_whose_training_waits_reads_the_round_four_times_an_interval() -> None:

@@ -3,6 +3,8 @@ learner and syncer code the real nodes run, with only the clock and the mailbox 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -16,8 +18,10 @@ from virtual_run import (  # noqa: E402
 )
 
 from gradientmail import DiLoCo, align  # noqa: E402
-from gradientmail._events import Merged  # noqa: E402
+from gradientmail._events import Committed, Merged  # noqa: E402
 from gradientmail.adapters.torch import TorchBackend  # noqa: E402
+from gradientmail.core import keys  # noqa: E402
+from gradientmail.mailboxes._memory import Faults, MemoryMailbox  # noqa: E402
 from gradientmail.testing._audit import audit  # noqa: E402
 
 
@@ -66,3 +70,46 @@ def test_a_lone_closer_steps_from_the_outer_state_it_kept_as_the_store_holds_it(
     fresh = make_model(seed=1)
     assert align(fresh, mailbox=mailbox) == rounds[-1]
     assert parameters([fresh]) == parameters(models)
+
+
+class SlowLastSnapshots:
+    """A store on which the snapshots of rounds ``first`` on take a second to upload, and
+    everything else (leases, commits) none."""
+
+    def __init__(self, store: MemoryMailbox, first: int) -> None:
+        self._store, self._first = store, first
+        self._slow = store.handle(faults=Faults(delay=(1.0, 1.0)))
+
+    def _for(self, key: str) -> MemoryMailbox:
+        slow = "/snapshots/" in key and keys.parse(key).round >= self._first
+        return self._slow if slow else self._store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def create(self, key: str, data: bytes, *, durable: bool = True) -> bool:
+        return await self._for(key).create(key, data, durable=durable)
+
+    async def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
+        await self._for(key).put(key, data, durable=durable)
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_nodes_that_close_together_end_on_the_same_commits_when_their_last_uploads_are_slow(
+    overlap: int,
+) -> None:
+    # Decision 11: a closing node's lease says "left" only once its last snapshots are
+    # uploaded. Written at once, as before, the closer of the last round saw the others left
+    # and their snapshots not yet there, closed it alone, and each late snapshot went into a
+    # round of its own: three nodes ended on three different parameters.
+    algorithm = DiLoCo(inner_steps=10, fragments=2, overlap_steps=overlap, quorum_size=3)
+    store, events, models, _ = run_nodes(
+        algorithm, steps=43, wrap=lambda store: SlowLastSnapshots(store, first=7)
+    )
+    commits = {e.round: e.included for e in events if isinstance(e, Committed)}
+    assert sorted(commits) == list(range(max(commits) + 1)), commits
+    assert set(commits.values()) == {3}, commits
+    assert parameters(models[1:]) == parameters(models[:1]) * 2
+    fresh = make_model(seed=1)
+    assert align(fresh, mailbox=store) == max(commits)
+    assert parameters([fresh]) == parameters(models[:1])
