@@ -153,6 +153,23 @@ def included(mailbox: Mailbox, rounds: Iterable[int], keyring: Keyring | None = 
     return asyncio.run(read())
 
 
+def summary(url: str) -> list[tuple[int, str, list[str]]]:
+    """Every commit of the signed run at ``url``: round, closer, included nodes."""
+
+    rounds = audit(mailbox_from_url(url), keyring=KEYRING).rounds
+
+    async def read() -> list[tuple[int, str, list[str]]]:
+        exchange = Exchange(mailbox_from_url(url), MonotonicClock(), keyring=KEYRING)
+        found = []
+        for r in rounds:
+            commit = await exchange.commit(r)
+            assert commit is not None
+            found.append((r, commit.closer, [i.node for i in commit.included]))
+        return found
+
+    return asyncio.run(read())
+
+
 def aligned(url: str) -> tuple[int, str, float]:
     trainer = worker.Trainer("torch", seed=7)  # another init: align must overwrite it
     rounds = align(trainer.model, mailbox=mailbox_from_url(url), secret=SECRET)
@@ -231,9 +248,11 @@ def test_a_hostile_writer_process_beside_three_node_processes_changes_no_outcome
     for name, cluster in runs.items():
         rounds, digest, _ = aligned(cluster.url)
         finals[name] = (rounds, digest)
-        assert rounds == max(audit(mailbox_from_url(cluster.url), keyring=KEYRING).rounds)
-        assert {r["params"] for r in results[name].values()} == {digest}, name
-        assert all(r["rounds_seen"] == rounds for r in results[name].values()), name
+        ran = {n: (r["rounds_seen"], r["params"][:8]) for n, r in results[name].items()}
+        said = f"{name}: align {rounds} {digest[:8]}, nodes {ran}, commits {summary(cluster.url)}"
+        assert rounds == max(audit(mailbox_from_url(cluster.url), keyring=KEYRING).rounds), said
+        assert {r["params"] for r in results[name].values()} == {digest}, said
+        assert all(r["rounds_seen"] == rounds for r in results[name].values()), said
         assert all(r["final_loss"] < 0.5 * r["initial_loss"] for r in results[name].values())
     assert finals["hostile"] == finals["clean"], "bit for bit the clean run's parameters"
 
