@@ -22,6 +22,7 @@ It prints, per loop and as ratios against the plain loop:
 - ``close()`` (s).
 
     python bench/scale.py                          # 124M, lone node, H=100, K=4, overlap 2
+    python bench/scale.py --paired 1 --threads 1   # ... plain and Session loops at once
     python bench/scale.py --model 355M --steps 60  # memory at 355M
     python bench/scale.py --nodes 3 --steps 150    # a node of a 3-process run
     python bench/scale.py --nodes 3 --steps 150 --spare  # ... where node 1 closes no round
@@ -122,10 +123,15 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     if args.loop == "plain":
         for _ in range(args.warmup):
             train_step()
+        rendezvous(args)
         start = time.perf_counter()
         for _ in range(args.steps):
             train_step()
         result["seconds"] = time.perf_counter() - start
+        result["padding"] = 0
+        while args.sync and not (Path(args.sync) / "stop").exists():
+            train_step()  # the Session loop still runs beside this one: load it the same way
+            result["padding"] += 1
     else:
         result.update(_session_loop(args, model, train_step))
     result["steps"] = args.steps
@@ -192,6 +198,7 @@ def _session_loop(args: argparse.Namespace, model: Any, train_step: Any) -> dict
     cpu_before = thread_cpu()
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
+            rendezvous(args)
             start = time.perf_counter()
         train_step()
         t = time.perf_counter()
@@ -248,6 +255,17 @@ def _session_loop(args: argparse.Namespace, model: Any, train_step: Any) -> dict
     }
 
 
+def rendezvous(args: argparse.Namespace) -> None:
+    """With ``--paired``: say this loop is warm and wait until the other one is too, so both
+    measure the same stretch of time."""
+    if not args.sync:
+        return
+    sync = Path(args.sync)
+    (sync / f"{args.loop}.ready").touch()
+    while not ((sync / "plain.ready").exists() and (sync / "session.ready").exists()):
+        time.sleep(0.01)
+
+
 def thread_cpu() -> dict[str, float]:
     """CPU seconds (user and system) each live thread of this process has used, by thread name
     (threads Python did not start, such as torch's pool, as ``native-<id>``); {} off Linux."""
@@ -291,7 +309,15 @@ def _write_time(url: str, size: int) -> float:
     return best
 
 
-def spawn(args: argparse.Namespace, loop: str, rank: int, mailbox: str) -> subprocess.Popen[str]:
+def spawn(
+    args: argparse.Namespace,
+    loop: str,
+    rank: int,
+    mailbox: str,
+    *,
+    cpu: int | None = None,
+    sync: str = "",
+) -> subprocess.Popen[str]:
     command = [
         sys.executable,
         __file__,
@@ -319,8 +345,44 @@ def spawn(args: argparse.Namespace, loop: str, rank: int, mailbox: str) -> subpr
         args.quantization,
         *(["--spare"] if args.spare else []),
         *(["--barrier"] if args.barrier else []),
+        *(["--cpu", str(cpu), "--sync", sync] if cpu is not None else []),
     ]
     return subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+
+
+def _result(process: subprocess.Popen[str], loop: str) -> dict[str, Any]:
+    out, _ = process.communicate()
+    if process.returncode != 0:
+        raise SystemExit(f"the {loop} loop failed (exit {process.returncode})")
+    return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def run_paired(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``--paired``: the plain loop and a lone Session loop at the same time, each pinned to
+    a CPU of its own, measuring the same stretch of time (``rendezvous``); the plain loop
+    trains on until the Session loop has closed. Whatever else slows the machine meanwhile
+    slows both."""
+    root = tempfile.mkdtemp(prefix="gm-scale-paired-")
+    sync = tempfile.mkdtemp(prefix="gm-scale-sync-")
+    cpus = sorted(os.sched_getaffinity(0))
+    mine = cpus[args.paired % len(cpus)]
+    other = next(c for c in cpus if c != mine)
+    processes: list[subprocess.Popen[str]] = []
+    try:
+        processes.append(spawn(args, "plain", 0, "", cpu=other, sync=sync))
+        processes.append(spawn(args, "session", 0, "file://" + root, cpu=mine, sync=sync))
+        session = _result(processes[1], "session")
+        (Path(sync) / "stop").touch()
+        plain = _result(processes[0], "plain")
+        plain["cpu"], session["cpu"] = other, mine
+        return [plain], [session]
+    finally:
+        for process in processes:  # the other of a failed run: ours to end
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(sync, ignore_errors=True)
 
 
 def run_loops(args: argparse.Namespace, loop: str) -> list[dict[str, Any]]:
@@ -329,13 +391,7 @@ def run_loops(args: argparse.Namespace, loop: str) -> list[dict[str, Any]]:
     try:  # a run leaves gigabytes of payloads behind
         for rank in range(args.nodes):
             processes.append(spawn(args, loop, rank, "file://" + root))
-        results = []
-        for process in processes:
-            out, _ = process.communicate()
-            if process.returncode != 0:
-                raise SystemExit(f"the {loop} loop failed (exit {process.returncode})")
-            results.append(json.loads(out.strip().splitlines()[-1]))
-        return results
+        return [_result(process, loop) for process in processes]
     finally:
         for process in processes:  # the others of a failed run: ours to end
             if process.poll() is None:
@@ -378,6 +434,13 @@ def report(
         f"K={args.fragments}, overlap {args.overlap}, {args.quantization}, "
         f"{args.steps} measured steps after {args.warmup}"
         + (", Session loops behind a start barrier" if args.barrier else "")
+        + (
+            f", paired: plain on CPU {plain[0]['cpu']} and Session on CPU {session[0]['cpu']} "
+            f"at the same time (the plain loop took {plain[0]['padding']} more steps while "
+            "the Session loop finished)"
+            if args.paired is not None
+            else ""
+        )
     )
     print(
         "targets (#19): ratio >= 0.95 for a lone node, 0.97 for a node of 3; longest step() "
@@ -465,18 +528,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="Session loops call wait_for_nodes(--nodes) before training (a start barrier)",
     )
+    parser.add_argument(
+        "--paired",
+        type=int,
+        metavar="CPU",
+        help="a lone node: run the plain and the Session loop at the same time, the Session "
+        "on this CPU and the plain loop on another (use with --threads 1)",
+    )
     parser.add_argument("--child", choices=("plain", "session"), help=argparse.SUPPRESS)
+    parser.add_argument("--cpu", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--sync", default="", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--mailbox", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         args.loop = args.child
+        if args.cpu is not None:  # before torch starts its threads: they inherit it
+            os.sched_setaffinity(0, {args.cpu})
         print(json.dumps(child(args)), flush=True)
         return 0
     if args.spare and args.nodes != 3:
         parser.error("--spare names three nodes: use it with --nodes 3")
-    plain = run_loops(args, "plain")
-    session = run_loops(args, "session")
+    if args.paired is not None and (args.nodes != 1 or len(os.sched_getaffinity(0)) < 2):
+        parser.error("--paired runs a lone node beside the plain loop: --nodes 1, two CPUs")
+    if args.paired is not None:
+        plain, session = run_paired(args)
+    else:
+        plain = run_loops(args, "plain")
+        session = run_loops(args, "session")
     report(args, plain, session)
     print(json.dumps({"plain": plain, "session": session}))
     return 0

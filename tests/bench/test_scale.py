@@ -4,6 +4,7 @@ directory mailbox): both loops run, and every figure the report prints is measur
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,3 +34,21 @@ def test_scale_runs_both_loops_and_measures_every_figure() -> None:
     assert session["write_seconds"] > 0 and session["bytes_out"] > session["model_snapshot_bytes"]
     assert session["step_max"] > 0 and session["close"] > 0
     assert "publish to commit" in done.stdout and "bytes per parameter" in done.stdout
+
+
+def test_paired_runs_both_loops_at_once_on_a_cpu_each() -> None:
+    pytest.importorskip("transformers")
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("--paired needs two CPUs")
+    command = [sys.executable, str(BENCH), "--model", "tiny", "--steps", "12", "--warmup", "1"]
+    command += ["--inner-steps", "8", "--fragments", "2", "--overlap", "1", "--threads", "1"]
+    command += ["--paired", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    (plain,), (session,) = figures["plain"], figures["session"]
+    cpus = sorted(os.sched_getaffinity(0))
+    assert session["cpu"] == cpus[1] and plain["cpu"] != session["cpu"]
+    assert plain["seconds"] > 0 and session["seconds"] > 0 and session["rounds_published"] >= 2
+    # The plain loop trained on while the Session loop closed: it stopped only when told.
+    assert plain["padding"] >= 1
+    assert f"paired: plain on CPU {plain['cpu']} and Session on CPU {session['cpu']}" in done.stdout
