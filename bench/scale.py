@@ -232,6 +232,9 @@ def _session_loop(args: argparse.Namespace, model: Any, train_step: Any) -> dict
     sizes = [size for _, size, _ in published.values()]
     by_fragment = {fragment: size for _, size, fragment in published.values()}
     write = _write_time(args.mailbox, max(sizes) if sizes else 0)
+    # The same write while this process trains, as the closes did: its threads compete with
+    # training for the CPU as the close's did.
+    loaded = _while_training(train_step, lambda: _write_time(args.mailbox, max(sizes, default=0)))
     return {
         "seconds": seconds,
         "step_max": longest,
@@ -246,6 +249,7 @@ def _session_loop(args: argparse.Namespace, model: Any, train_step: Any) -> dict
         if len(by_fragment) == args.fragments
         else None,
         "write_seconds": write,
+        "write_seconds_training": loaded,
         "bytes_out": stats.get("bytes_out", 0),
         "rounds_published": len(published),
         "rounds_closed": len(summed),
@@ -286,6 +290,26 @@ def thread_cpu() -> dict[str, float]:
         name = names.get(int(task), f"native-{task}")
         found[name] = found.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return found
+
+
+def _while_training(train_step: Any, work: Any) -> float:
+    """``work()``'s result, computed on a thread while this thread trains until it is done."""
+    done: list[Any] = []
+
+    def run() -> None:
+        try:
+            done.append(work())
+        except BaseException as exc:  # raised below, on this thread
+            done.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    while thread.is_alive():
+        train_step()
+    thread.join()
+    if isinstance(done[0], BaseException):
+        raise done[0]
+    return float(done[0])
 
 
 def _write_time(url: str, size: int) -> float:
@@ -477,12 +501,14 @@ def report(
         )
         if lat:
             times = statistics.median(lat) / s["write_seconds"]
+            loaded = statistics.median(lat) / s["write_seconds_training"]
             print(
                 f"node{s['rank']}: publish to commit, rounds published while training: "
                 f"{min(lat):.2f}-{max(lat):.2f} s (median {statistics.median(lat):.2f} s over "
                 f"{len(lat)} rounds); writing {max(sizes) / 2**20:.0f} MiB once takes "
-                f"{s['write_seconds']:.2f} s: median {times:.1f}x "
-                "(target <= 4x for a lone node)"
+                f"{s['write_seconds']:.2f} s, {s['write_seconds_training']:.2f} s while the "
+                f"process trains: median {times:.1f}x, {loaded:.1f}x against the write while "
+                "training (target <= 4x for a lone node)"
             )
         cpu = sorted(s["thread_cpu"].items(), key=lambda item: -item[1])
         print(

@@ -31,7 +31,8 @@ def test_scale_runs_both_loops_and_measures_every_figure() -> None:
     measured = session["latencies"] + session["close_latencies"]
     assert len(measured) >= 2 and min(measured) > 0
     assert session["model_snapshot_bytes"] >= 4 * session["params"]  # F32 deltas, no zstd
-    assert session["write_seconds"] > 0 and session["bytes_out"] > session["model_snapshot_bytes"]
+    assert session["write_seconds"] > 0 and session["write_seconds_training"] > 0
+    assert session["bytes_out"] > session["model_snapshot_bytes"]
     assert session["step_max"] > 0 and session["close"] > 0
     assert "publish to commit" in done.stdout and "bytes per parameter" in done.stdout
 
