@@ -22,7 +22,7 @@ It prints, per loop and as ratios against the plain loop:
 - ``close()`` (s).
 
     python bench/scale.py                          # 124M, lone node, H=100, K=4, overlap 2
-    python bench/scale.py --paired 1 --threads 1   # ... plain and Session loops at once
+    python bench/scale.py --paired --threads 1     # ... plain and Session loops at once
     python bench/scale.py --model 355M --steps 60  # memory at 355M
     python bench/scale.py --nodes 3 --steps 150    # a node of a 3-process run
     python bench/scale.py --nodes 3 --steps 150 --spare  # ... where node 1 closes no round
@@ -381,16 +381,16 @@ def _result(process: subprocess.Popen[str], loop: str) -> dict[str, Any]:
     return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def run_paired(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """``--paired``: the plain loop and a lone Session loop at the same time, each pinned to
-    a CPU of its own, measuring the same stretch of time (``rendezvous``); the plain loop
-    trains on until the Session loop has closed. Whatever else slows the machine meanwhile
-    slows both."""
+def run_paired(
+    args: argparse.Namespace, mine: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``--paired``: the plain loop and a lone Session loop at the same time, the Session on
+    CPU ``mine`` and the plain loop on another, measuring the same stretch of time
+    (``rendezvous``); the plain loop trains on until the Session loop has closed. Whatever
+    else slows the machine meanwhile slows both."""
     root = tempfile.mkdtemp(prefix="gm-scale-paired-")
     sync = tempfile.mkdtemp(prefix="gm-scale-sync-")
-    cpus = sorted(os.sched_getaffinity(0))
-    mine = cpus[args.paired % len(cpus)]
-    other = next(c for c in cpus if c != mine)
+    other = next(c for c in sorted(os.sched_getaffinity(0)) if c != mine)
     processes: list[subprocess.Popen[str]] = []
     try:
         processes.append(spawn(args, "plain", 0, "", cpu=other, sync=sync))
@@ -447,6 +447,10 @@ def node_name(rank: int, spare: bool) -> str:
     raise SystemExit("no suffix spares node 1")
 
 
+def steps_per_second(loop: dict[str, Any]) -> float:
+    return float(loop["steps"] / loop["seconds"])
+
+
 def report(
     args: argparse.Namespace, plain: list[dict[str, Any]], session: list[dict[str, Any]]
 ) -> None:
@@ -462,7 +466,7 @@ def report(
             f", paired: plain on CPU {plain[0]['cpu']} and Session on CPU {session[0]['cpu']} "
             f"at the same time (the plain loop took {plain[0]['padding']} more steps while "
             "the Session loop finished)"
-            if args.paired is not None
+            if args.paired
             else ""
         )
     )
@@ -556,10 +560,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--paired",
-        type=int,
-        metavar="CPU",
-        help="a lone node: run the plain and the Session loop at the same time, the Session "
-        "on this CPU and the plain loop on another (use with --threads 1)",
+        action="store_true",
+        help="a lone node: run the plain and the Session loop at the same time on a CPU each, "
+        "then again with the CPUs swapped; the ratio is the two runs' geometric mean (use "
+        "with --threads 1)",
     )
     parser.add_argument("--child", choices=("plain", "session"), help=argparse.SUPPRESS)
     parser.add_argument("--cpu", type=int, help=argparse.SUPPRESS)
@@ -575,13 +579,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.spare and args.nodes != 3:
         parser.error("--spare names three nodes: use it with --nodes 3")
-    if args.paired is not None and (args.nodes != 1 or len(os.sched_getaffinity(0)) < 2):
+    if args.paired and (args.nodes != 1 or len(os.sched_getaffinity(0)) < 2):
         parser.error("--paired runs a lone node beside the plain loop: --nodes 1, two CPUs")
-    if args.paired is not None:
-        plain, session = run_paired(args)
-    else:
-        plain = run_loops(args, "plain")
-        session = run_loops(args, "session")
+    if args.paired:
+        # Each CPU's own speed cancels in the geometric mean of the two runs' ratios: with the
+        # CPUs at speeds a and b, the ratios are (s*a)/(p*b) and (s*b)/(p*a).
+        ratios, pairs = [], []
+        for mine in sorted(os.sched_getaffinity(0))[:2]:
+            plain, session = run_paired(args, mine)
+            report(args, plain, session)
+            pairs.append({"plain": plain, "session": session})
+            ratios.append(steps_per_second(session[0]) / steps_per_second(plain[0]))
+        print(
+            f"\npaired ratio (geometric mean of {ratios[0]:.3f} and {ratios[1]:.3f}, the CPUs "
+            f"swapped): {statistics.geometric_mean(ratios):.3f} (target >= 0.95 for a lone node)"
+        )
+        print(json.dumps({"pairs": pairs, "ratio": statistics.geometric_mean(ratios)}))
+        return 0
+    plain = run_loops(args, "plain")
+    session = run_loops(args, "session")
     report(args, plain, session)
     print(json.dumps({"plain": plain, "session": session}))
     return 0

@@ -37,19 +37,25 @@ def test_scale_runs_both_loops_and_measures_every_figure() -> None:
     assert "publish to commit" in done.stdout and "bytes per parameter" in done.stdout
 
 
-def test_paired_runs_both_loops_at_once_on_a_cpu_each() -> None:
+def test_paired_runs_both_loops_at_once_on_a_cpu_each_then_swapped() -> None:
     pytest.importorskip("transformers")
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("--paired needs two CPUs")
     command = [sys.executable, str(BENCH), "--model", "tiny", "--steps", "12", "--warmup", "1"]
     command += ["--inner-steps", "8", "--fragments", "2", "--overlap", "1", "--threads", "1"]
-    command += ["--paired", "1"]
+    command += ["--paired"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
     figures = json.loads(done.stdout.strip().splitlines()[-1])
-    (plain,), (session,) = figures["plain"], figures["session"]
-    cpus = sorted(os.sched_getaffinity(0))
-    assert session["cpu"] == cpus[1] and plain["cpu"] != session["cpu"]
-    assert plain["seconds"] > 0 and session["seconds"] > 0 and session["rounds_published"] >= 2
-    # The plain loop trained on while the Session loop closed: it stopped only when told.
-    assert plain["padding"] >= 1
-    assert f"paired: plain on CPU {plain['cpu']} and Session on CPU {session['cpu']}" in done.stdout
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    ratios = []
+    for pair, cpu in zip(figures["pairs"], cpus, strict=True):
+        (plain,), (session,) = pair["plain"], pair["session"]
+        assert session["cpu"] == cpu and plain["cpu"] != cpu
+        assert plain["seconds"] > 0 and session["seconds"] > 0
+        assert session["rounds_published"] >= 2
+        # The plain loop trained on while the Session loop closed: it stopped only when told.
+        assert plain["padding"] >= 1
+        ratios.append(plain["seconds"] / session["seconds"])
+        assert f"paired: plain on CPU {plain['cpu']} and Session on CPU {cpu}" in done.stdout
+    assert figures["ratio"] == pytest.approx((ratios[0] * ratios[1]) ** 0.5)
+    assert f"paired ratio (geometric mean of {ratios[0]:.3f} and {ratios[1]:.3f}" in done.stdout
