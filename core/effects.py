@@ -717,13 +717,16 @@ class Gather:
 @attrs.frozen(kw_only=True)
 class Leave:
     """From the learner to the syncer: the node is closing and has published everything it
-    trained (``learner.close``, Decision 11). Mark the lease ``left`` once this node's snapshots
-    of the rounds in ``after`` are uploaded (``Watch``) or their rounds committed, then close
-    its rounds and stop. A closer that sees a node left and lists the round's snapshots after
+    trained (``learner.close``, Decision 11). Mark the lease ``left`` once each of this node's
+    snapshots of the rounds in ``after`` is uploaded under its key (``Watch`` with ``ours``) or
+    counted by a commit. A closer that sees a node left and lists the round's snapshots after
     that LIST finds the node's last snapshot there: a ``left`` lease written before the upload
-    let a round close without it, and its progress went into a round of its own."""
+    let a round close without it, and its progress went into a round of its own. A later
+    ``Leave`` names the round a missed snapshot's progress was published to instead (Decision
+    5): ``replaces`` the missed one."""
 
     after: tuple[int, ...] = ()
+    replaces: tuple[int, ...] = ()
 
 
 @attrs.frozen(kw_only=True)

@@ -251,6 +251,7 @@ def on_commit(
         )
     ]
     missed = f.outstanding is not None and not mine
+    outstanding = f.outstanding or 0
     if missed:
         effects.append(Rebased(fragment=k, missed=f.outstanding or 0, samples=f.in_flight_samples))
         f = attrs.evolve(
@@ -271,6 +272,8 @@ def on_commit(
         # not a scheduled slot, so the overlap bound does not apply to it.
         state, publish = _publish(state, k, algorithm, bounded=False)
         effects.append(publish)
+        if state.leaving:  # the lease waits for this snapshot instead (Decision 11)
+            effects.append(Leave(after=(publish.round,), replaces=(outstanding,)))
         return _leave(*_publish_owed(state, algorithm, effects))
     if state.closing:
         return _publish_remaining(state, algorithm, effects)

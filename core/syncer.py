@@ -167,16 +167,17 @@ def lease_cadence(state: SyncerState, settings: Settings, *, now: float) -> floa
     ``lease_every / 2`` while its view decides something: while the node waits to see the
     run's nodes before training (``Gather``; until its first snapshot), while it is attentive
     to a round (``closing.attentive``: it may close or take over, by the nodes it sees live),
-    and while it is leaving with rounds in flight (its last rounds have no later round to
-    correct a stale prediction: without a LIST, the last node of a run that closed would leave
-    its final rounds to nodes long gone, for ``takeover`` seconds). Otherwise never
-    (``Settings.lease_idle`` sets a cadence): the view then only predicts who closes a round,
-    which the closer it predicts, the understudy and a takeover correct, and a node that
-    becomes attentive lists at once when its last LIST is older than ``lease_every / 2``.
+    and while it is leaving (from its ``Leave`` on) with rounds in flight (its last rounds have
+    no later round to correct a stale prediction: without a LIST, the last node of a run that
+    closed would leave its final rounds to nodes long gone, for ``takeover`` seconds).
+    Otherwise never (``Settings.lease_idle`` sets a cadence): the view then only predicts who
+    closes a round, which the closer it predicts, the understudy and a takeover correct, and a
+    node that becomes attentive lists at once when its last LIST is older than
+    ``lease_every / 2``.
     Expiry is judged the same at any cadence (a version unchanged ``lease_timeout`` after it
     was first seen, at the observer's last LIST), only noticed later.
     """
-    leaving = state.keeper.leaving and bool(state.rounds)
+    leaving = (state.keeper.leaving or state.departing is not None) and bool(state.rounds)
     view, timeout = state.keeper.view, settings.lease_timeout
     if state.gathering and (
         leases.gathered(view, now=now, lease_timeout=timeout, count=state.awaiting) is None
@@ -197,15 +198,18 @@ def _take(
     """One item of the view: a message, or a result routed to the leases, a round or GC."""
     algorithm = settings.manifest.algorithm
     if isinstance(item, Watch):
-        return _depart(_watch(state, item.round, settings), settings), []
+        state = _watch(state, item.round, settings)
+        if item.ours and state.departing is not None:
+            state = _depart(state, state.departing - {item.round}, settings)
+        return state, []
     if isinstance(item, Seen):
-        return _depart(_learn(state, item.commit, settings), settings), []
+        return _counted(_learn(state, item.commit, settings), item.commit, settings), []
     if isinstance(item, Gather):
         return attrs.evolve(state, gathering=True, awaiting=max(state.awaiting, item.count)), []
     if isinstance(item, Hurry):
         return _hurry(state, item.round, settings), []
     if isinstance(item, Leave):
-        return _depart(attrs.evolve(state, departing=frozenset(item.after)), settings), []
+        return _leave(state, item, settings), []
     if isinstance(item, Stop):
         return attrs.evolve(state, stopping=True), []
     if isinstance(item, LeasesListed):
@@ -231,7 +235,7 @@ def _take(
     if isinstance(item, RoundListed):
         return state, [Delete(keys=gc.in_round(item.keys))] if item.keys else []
     if isinstance(item, CommitRead) and item.commit is not None and item.rejected is None:
-        state = _depart(_learn(state, item.commit, settings), settings)
+        state = _counted(_learn(state, item.commit, settings), item.commit, settings)
     r = _round_of(item, state, algorithm.fragments)
     if r is not None:
         routed.setdefault(r, []).append(item)
@@ -267,19 +271,40 @@ def _watch(state: SyncerState, r: int, settings: Settings) -> SyncerState:
     return attrs.evolve(state, rounds=rounds)
 
 
-def _depart(state: SyncerState, settings: Settings) -> SyncerState:
-    """Mark the lease ``left`` (renewed at once) when the node is leaving and each round of
-    ``departing`` is watched (this node's snapshot in it is uploaded) or committed (Decision
-    11, ``Leave``)."""
-    if state.departing is None:
+def _leave(state: SyncerState, leave: Leave, settings: Settings) -> SyncerState:
+    """``Leave``: the rounds the ``left`` lease waits for (Decision 11), less those whose
+    snapshot is uploaded already (the round is watched: its ``Watch`` came first) or counted
+    by a commit this syncer knows. Once the lease says ``left`` it stays so: a snapshot
+    published after that (a missed one's progress, again) is not waited for."""
+    if state.keeper.leaving:
         return state
     K = settings.manifest.algorithm.fragments
     watched = {s.round for s in state.rounds}
-    departing = frozenset(
+    counted = [c for _, c in state.commits if settings.node in {i.node for i in c.included}]
+    waits = {
         r
-        for r in state.departing
-        if r not in watched and not any(_covers(c, r, K) for c, _ in state.commits)
+        for r in leave.after
+        if r not in watched and not any(_covers(c.round, r, K) for c in counted)
+    }
+    return _depart(
+        state, ((state.departing or frozenset()) - set(leave.replaces)) | waits, settings
     )
+
+
+def _counted(state: SyncerState, commit: Commit, settings: Settings) -> SyncerState:
+    """``commit`` counts this node's snapshots of the rounds it covers: the lease waits for
+    them no more. (A commit without them leaves them to the ``Leave`` that replaces them.)"""
+    if state.departing is None or settings.node not in {i.node for i in commit.included}:
+        return state
+    K = settings.manifest.algorithm.fragments
+    return _depart(
+        state, frozenset(r for r in state.departing if not _covers(commit.round, r, K)), settings
+    )
+
+
+def _depart(state: SyncerState, departing: frozenset[int], settings: Settings) -> SyncerState:
+    """The rounds the ``left`` lease still waits for; none: mark it ``left`` (renewed at
+    once)."""
     if departing:
         return state if departing == state.departing else attrs.evolve(state, departing=departing)
     keeper = attrs.evolve(state.keeper, leaving=True, next_renewal=-math.inf)

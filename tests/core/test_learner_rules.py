@@ -559,6 +559,24 @@ def test_a_missed_round_while_closing_republishes_everything() -> None:
     assert rules.done(state)
 
 
+def test_a_round_missed_after_the_leave_names_the_round_that_replaces_it() -> None:
+    """Its progress goes into the next round (Decision 5), and the lease waits for that
+    snapshot instead of the missed one (Decision 11)."""
+    a = algo(h=4, k=1, overlap=None)
+    state, _ = run(fresh(a), a, 4)
+    state, effects = rules.close(state, a)
+    assert effects == [Leave(after=(0,))]
+    state, effects = rules.on_commit(state, a, round=0, included=False)
+    assert effects[1:] == [
+        Rebased(fragment=0, missed=0, samples=4),
+        Publish(fragment=0, round=1, base_round=0, samples=4, steps=4),
+        Leave(after=(1,), replaces=(0,)),
+    ]
+    state, effects = rules.on_commit(state, a, round=1, included=True)
+    assert effects == [Merge(fragment=0, round=1, since="snapshot", alpha=None)]
+    assert rules.done(state)
+
+
 def test_close_with_nothing_trained_is_done_at_once_and_idempotent() -> None:
     a = algo()
     state, effects = rules.close(fresh(a), a)

@@ -182,36 +182,60 @@ def test_a_leaving_node_lists_every_half_renewal_until_its_rounds_are_done() -> 
     assert syncer.lease_cadence(done, SETTINGS, now=0.0) == math.inf
 
 
-def test_the_lease_says_left_only_once_the_last_snapshots_are_uploaded() -> None:
-    """Decision 11 (``Leave``): a closing node's ``left`` lease is written once the snapshots
-    its close published are uploaded (``Watch``) or their rounds committed, never before: a
-    closer that sees it left then finds its last snapshot in the round."""
-    nodes = others(2, me_first=False)
-    state, _ = run(syncer.SyncerState(), 0.0, 1.0, (), nodes)
-    state, _ = run(state, 1.5, 3.0, [Leave(after=(2, 3))], nodes)
-    assert not state.keeper.leaving and state.departing == {2, 3}
-    state, _ = run(state, 3.5, 5.0, [Watch(round=2, ours=True)], nodes)
-    assert not state.keeper.leaving and state.departing == {3}
-    # Round 3's commit, learned before its upload was reported: nothing to wait for.
-    committed = Commit(
-        round=3,
+def commit_of(r: int, *nodes: str) -> Commit:
+    """A commit of round ``r`` (one fragment) that counts ``nodes``' snapshots."""
+    return Commit(
+        round=r,
         fragment=0,
-        base_round=2,
-        closer="node-b",
+        base_round=r - 1,
+        closer=nodes[0],
         attempt=0,
         nonce=NONCE,
-        included=(
-            Included(
-                node="node-b", nonce=NONCE, samples=1, steps=10, base_round=2, digest="cd" * 32
-            ),
+        included=tuple(
+            Included(node=n, nonce=NONCE, samples=1, steps=10, base_round=r - 1, digest="cd" * 32)
+            for n in sorted(nodes)
         ),
-        params=PayloadRef(key=keys.params(3, NONCE), digest="cd" * 32, size=16),
-        state=PayloadRef(key=keys.state(3, NONCE), digest="cd" * 32, size=16),
+        params=PayloadRef(key=keys.params(r, NONCE), digest="cd" * 32, size=16),
+        state=PayloadRef(key=keys.state(r, NONCE), digest="cd" * 32, size=16),
     )
-    state, effects, _ = syncer.step([Seen(commit=committed)], state, now=5.5, settings=SETTINGS)
+
+
+def test_the_lease_says_left_only_once_the_last_snapshots_are_uploaded() -> None:
+    """Decision 11 (``Leave``): a closing node's ``left`` lease is written once each snapshot
+    its close published is uploaded under its key (``Watch`` with ``ours``) or counted by a
+    commit, never before: a closer that sees it left then finds its last snapshot there."""
+    nodes = others(2, me_first=False)
+    state, _ = run(syncer.SyncerState(), 0.0, 1.0, (), nodes)
+    state, _ = run(state, 1.5, 3.0, [Leave(after=(2, 3, 4))], nodes)
+    assert not state.keeper.leaving and state.departing == {2, 3, 4}
+    # Another incarnation's snapshot holds round 2's key: this one's is not there.
+    state, _ = run(state, 3.5, 4.0, [Watch(round=2, ours=False), Watch(round=3, ours=True)], nodes)
+    assert not state.keeper.leaving and state.departing == {2, 4}
+    # Round 2 committed without it: its progress goes to round 5, which the learner says.
+    state, _, _ = syncer.step(
+        [Seen(commit=commit_of(2, "node-b"))], state, now=4.5, settings=SETTINGS
+    )
+    assert not state.keeper.leaving and state.departing == {2, 4}
+    state, _ = run(state, 5.0, 5.5, [Leave(after=(5,), replaces=(2,))], nodes)
+    assert not state.keeper.leaving and state.departing == {4, 5}
+    # A commit counting its snapshot, learned before its upload was reported: round 4 is done.
+    state, _, _ = syncer.step(
+        [Seen(commit=commit_of(4, "node-a", "node-b"))], state, now=6.0, settings=SETTINGS
+    )
+    assert not state.keeper.leaving and state.departing == {5}
+    state, effects, _ = syncer.step([Watch(round=5, ours=True)], state, now=6.5, settings=SETTINGS)
     assert state.keeper.leaving and state.departing is None
     renewals = [e.lease for e in effects if isinstance(e, RenewLease)]
     assert [(x.node, x.left) for x in renewals] == [("node-a", True)]
+
+
+def test_a_snapshot_uploaded_before_the_leave_is_not_waited_for() -> None:
+    state, _, _ = syncer.step(
+        [Watch(round=0, ours=True)], syncer.SyncerState(), now=0.0, settings=SETTINGS
+    )
+    state, effects, _ = syncer.step([Leave(after=(0,))], state, now=0.5, settings=SETTINGS)
+    assert state.keeper.leaving
+    assert [e.lease.left for e in effects if isinstance(e, RenewLease)] == [True]
 
 
 def test_a_node_with_nothing_in_flight_leaves_at_once() -> None:
