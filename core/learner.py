@@ -147,6 +147,7 @@ def step(state: LearnerState, algorithm: DiLoCo, samples: int) -> tuple[LearnerS
         slot=state.slot,
         deferred=state.deferred,
         closing=state.closing,
+        leaving=state.leaving,
         process=state.process,
     )
     effects: list[Effect] = []
