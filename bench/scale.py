@@ -401,12 +401,17 @@ def run_paired(
         plain["cpu"], session["cpu"] = other, mine
         return [plain], [session]
     finally:
-        for process in processes:  # the other of a failed run: ours to end
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(sync, ignore_errors=True)
+        _end(processes, root, sync)
+
+
+def _end(processes: list[subprocess.Popen[str]], *folders: str) -> None:
+    """End the loops a failed run left (ours to end), and remove what the run wrote."""
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_loops(args: argparse.Namespace, loop: str) -> list[dict[str, Any]]:
@@ -417,11 +422,7 @@ def run_loops(args: argparse.Namespace, loop: str) -> list[dict[str, Any]]:
             processes.append(spawn(args, loop, rank, "file://" + root))
         return [_result(process, loop) for process in processes]
     finally:
-        for process in processes:  # the others of a failed run: ours to end
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        shutil.rmtree(root, ignore_errors=True)
+        _end(processes, root)
 
 
 SPARED_ROUNDS = 16
