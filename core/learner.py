@@ -254,7 +254,7 @@ def on_commit(
     missed = f.outstanding is not None and not mine
     outstanding = f.outstanding or 0
     if missed:
-        effects.append(Rebased(fragment=k, missed=f.outstanding or 0, samples=f.in_flight_samples))
+        effects.append(Rebased(fragment=k, missed=outstanding, samples=f.in_flight_samples))
         f = attrs.evolve(
             f, samples=f.samples + f.in_flight_samples, steps=f.steps + f.in_flight_steps
         )

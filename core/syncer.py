@@ -280,7 +280,7 @@ def _leave(state: SyncerState, leave: Leave, settings: Settings) -> SyncerState:
         return state
     K = settings.manifest.algorithm.fragments
     watched = {s.round for s in state.rounds}
-    counted = [c for _, c in state.commits if settings.node in {i.node for i in c.included}]
+    counted = [c for _, c in state.commits if c.includes(settings.node)]
     waits = {
         r
         for r in leave.after
@@ -294,7 +294,7 @@ def _leave(state: SyncerState, leave: Leave, settings: Settings) -> SyncerState:
 def _counted(state: SyncerState, commit: Commit, settings: Settings) -> SyncerState:
     """``commit`` counts this node's snapshots of the rounds it covers: the lease waits for
     them no more. (A commit without them leaves them to the ``Leave`` that replaces them.)"""
-    if state.departing is None or settings.node not in {i.node for i in commit.included}:
+    if state.departing is None or not commit.includes(settings.node):
         return state
     K = settings.manifest.algorithm.fragments
     return _depart(

@@ -332,20 +332,16 @@ class Node:
             # as soon as a LIST shows the last node, not up to a poll later.
             await self.handoff.bell.wait(min(self._poll_interval, BARRIER_LOOK))
 
-    def begin_close(self) -> None:
-        """Publish the last progress; the learner rules tell the syncer to release the lease
-        once nothing is left to publish, and it does once those snapshots are uploaded
-        (Decision 11, ``core.effects.Leave``)."""
-        assert self.trainer is not None
-        self.trainer.close()
-
     async def close(self, timeout: float = math.inf) -> None:
         """Publish what was trained since the last rounds, release the lease once that is
         uploaded, wait for those rounds to commit and merge them (Decision 11), then stop both
         loops. Raises ``ProtocolError`` when they do not commit within ``timeout`` seconds."""
         assert self.trainer is not None
         try:
-            self.begin_close()
+            # The last progress; the learner rules tell the syncer to release the lease once
+            # nothing is left to publish, and it does once those snapshots are uploaded
+            # (Decision 11, ``core.effects.Leave``).
+            self.trainer.close()
             for r in self.trainer.outstanding():
                 self._hurry(r)
             deadline = self.clock.now() + timeout
