@@ -17,7 +17,7 @@ listing, the honest objects) and, every ``--interval`` seconds, writes under the
   commit, then garbage: honest closers pass them, ``core.slots``), and every honest node's
   (``--nodes``) first two snapshot keys (a forged snapshot naming the node, then an object
   too large for a snapshot: the node publishes at its third, and its round includes it);
-* replays: an honest snapshot of the fragment's previous round under ``trent``, an honest
+* replays: an honest snapshot of one of the fragment's last three rounds under ``trent``, an honest
   claim under the next attempt's key, an honest commit under a round the run never reaches;
 * forged leases: ``eve`` (wrong secret), ``mallory`` (garbage), ``oscar`` (oversized) and
   ``trent`` (an honest node's genuine lease replayed), rewritten each pass;
@@ -56,6 +56,7 @@ from gradientmail.mailboxes._protocol import Mailbox
 
 WRONG = Keyring.of(b"not the run secret, but as long.")
 FAR = 1_000_000  # replayed commits go this many rounds past their own: the run never gets there
+REPLAY_AHEAD = 3  # a replayed snapshot goes into this many of its fragment's next rounds
 
 
 class Writer:
@@ -122,7 +123,10 @@ class Writer:
                 continue
             self.replayed.add(key)
             if parsed.kind == "snapshot":
-                await self.plant(keys.snapshot(parsed.round + self.K, "trent"), data)
+                # Into the fragment's next three rounds: a writer slowed by load still gets
+                # one in before its round closes.
+                for ahead in range(1, REPLAY_AHEAD + 1):
+                    await self.plant(keys.snapshot(parsed.round + ahead * self.K, "trent"), data)
             elif parsed.kind == "claim":
                 assert parsed.attempt is not None
                 await self.plant(keys.claim(parsed.round, parsed.attempt + 1), data)
