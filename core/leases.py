@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 import attrs
@@ -48,7 +48,9 @@ __all__ = [
     "Known",
     "Leases",
     "Observed",
+    "awaited",
     "batch_share",
+    "covers",
     "gathered",
     "lease_md5",
     "listed",
@@ -156,6 +158,26 @@ def gathered(
     closed by, so every round after the barrier expects those nodes."""
     active = leases.active(now=now, lease_timeout=lease_timeout)
     return active if len(active) >= count else None
+
+
+def covers(committed: int, r: int, fragments: int) -> bool:
+    """A commit of round ``committed`` settles round ``r``: the same fragment, and ``r`` is
+    that round or an earlier one (each commit's base is the one before)."""
+    return committed >= r and committed % fragments == r % fragments
+
+
+def awaited(
+    after: Iterable[int], *, uploaded: Iterable[int], counted: Iterable[int], fragments: int
+) -> frozenset[int]:
+    """Decision 11: the rounds of ``after`` (a leaving node's snapshots in flight) that its
+    ``left`` lease waits for: those whose snapshot is not under its key yet (``uploaded``: the
+    rounds it is, in rounds not known committed) and that no commit counting the node's
+    snapshot settles (``counted``: those commits' rounds; ``covers``). A closer that sees the
+    lease ``left`` then finds those snapshots."""
+    done, settled = frozenset(uploaded), tuple(counted)
+    return frozenset(
+        r for r in after if r not in done and not any(covers(c, r, fragments) for c in settled)
+    )
 
 
 def batch_share(global_batch: int | None, active: int) -> int | None:

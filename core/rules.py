@@ -49,6 +49,7 @@ class Rules:
     walk: Callable[..., Any] = chain.advance
     commit: Callable[[Commit], list[Effect]] = create_commit
     observe: leases.Observe = leases.observe
+    awaited: Callable[..., frozenset[int]] = leases.awaited
 
 
 RULES = Rules()

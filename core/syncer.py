@@ -50,7 +50,8 @@ from gradientmail.core.effects import (
     Wait,
     Watch,
 )
-from gradientmail.core.leases import Keeper
+from gradientmail.core.identity import derived
+from gradientmail.core.leases import Keeper, covers
 from gradientmail.core.records import Commit, Lease, Manifest
 from gradientmail.core.rules import RULES, Rules
 from gradientmail.core.signing import Keyring
@@ -90,7 +91,9 @@ class SyncerState:
     and when (``collect``: ``(round, due)``), whether it is stopping, and whether the node
     waits to see the run's nodes (``gathering``: from ``Gather`` to its first snapshot, and
     ``awaiting``, how many it waits to see), and the rounds whose snapshots the node's ``left``
-    lease waits for (``departing``: from ``Leave`` until each is uploaded or committed)."""
+    lease waits for (``departing``: from ``Leave`` until each is uploaded or committed), and
+    the watched rounds whose snapshot key holds another incarnation's snapshot, not this one's
+    (``foreign``: until a commit settles them)."""
 
     keeper: Keeper = attrs.Factory(Keeper)
     rounds: tuple[RoundState, ...] = ()
@@ -102,6 +105,7 @@ class SyncerState:
     awaiting: int = 0
     hurried: frozenset[int] = frozenset()  # rounds this node's training waits for (Hurry)
     departing: frozenset[int] | None = None
+    foreign: frozenset[int] = frozenset()
 
     def commit(self, r: int) -> Commit | None:
         return dict(self.commits).get(r)
@@ -124,6 +128,11 @@ def step(
     for item in view:
         state, more = _take(state, item, routed, now, settings)
         effects += more
+    if state.departing == frozenset():
+        # Decided on the whole view: a ``Leave`` in it that names a round the progress of a
+        # missed one went to keeps the lease waiting.
+        keeper = attrs.evolve(state.keeper, leaving=True, next_renewal=-math.inf)
+        state = attrs.evolve(state, keeper=keeper, departing=None)
     # The renewal goes first, so no round's work delays it; the rounds decide on the lease view
     # folded last, before the next LIST of leases is made (Decision 3: a takeover judges
     # expiry by the newest LIST it has read).
@@ -199,7 +208,15 @@ def _take(
     algorithm = settings.manifest.algorithm
     if isinstance(item, Watch):
         state = _watch(state, item.round, settings)
-        if item.ours and state.departing is not None:
+        K = algorithm.fragments
+        if any(covers(c, item.round, K) for c, _ in state.commits):
+            # Committed already (a commit that counts it has settled it, ``_counted``; one
+            # that does not leaves it to the ``Leave`` naming where its progress went).
+            return state, []
+        if not item.ours:
+            # Watched, but not uploaded: a leaving node's lease still waits for the round.
+            return attrs.evolve(state, foreign=state.foreign | {item.round}), []
+        if state.departing is not None:
             state = _depart(state, state.departing - {item.round}, settings)
         return state, []
     if isinstance(item, Seen):
@@ -272,20 +289,21 @@ def _watch(state: SyncerState, r: int, settings: Settings) -> SyncerState:
 
 
 def _leave(state: SyncerState, leave: Leave, settings: Settings) -> SyncerState:
-    """``Leave``: the rounds the ``left`` lease waits for (Decision 11), less those whose
-    snapshot is uploaded already (the round is watched: its ``Watch`` came first) or counted
-    by a commit this syncer knows. Once the lease says ``left`` it stays so: a snapshot
-    published after that (a missed one's progress, again) is not waited for."""
+    """``Leave``: the rounds the ``left`` lease waits for (Decision 11, ``leases.awaited``):
+    until this process's snapshot of each is under its key (a ``Watch`` with ``ours`` of a
+    round not known committed) or a commit counts it, or a later ``Leave`` replaces a round
+    whose commit missed it with the round its progress went to. Once the lease says ``left``
+    it stays so: progress published after the syncer decided is not waited for."""
     if state.keeper.leaving:
         return state
-    K = settings.manifest.algorithm.fragments
-    watched = {s.round for s in state.rounds}
-    counted = [c for _, c in state.commits if c.includes(settings.node)]
-    waits = {
-        r
-        for r in leave.after
-        if r not in watched and not any(_covers(c.round, r, K) for c in counted)
-    }
+    waits = settings.rules.awaited(
+        leave.after,
+        uploaded=[
+            s.round for s in state.rounds if not s.committed and s.round not in state.foreign
+        ],
+        counted=[c.round for _, c in state.commits if _ours(c, settings)],
+        fragments=settings.manifest.algorithm.fragments,
+    )
     return _depart(
         state, ((state.departing or frozenset()) - set(leave.replaces)) | waits, settings
     )
@@ -294,21 +312,25 @@ def _leave(state: SyncerState, leave: Leave, settings: Settings) -> SyncerState:
 def _counted(state: SyncerState, commit: Commit, settings: Settings) -> SyncerState:
     """``commit`` counts this node's snapshots of the rounds it covers: the lease waits for
     them no more. (A commit without them leaves them to the ``Leave`` that replaces them.)"""
-    if state.departing is None or not commit.includes(settings.node):
+    if state.departing is None or not _ours(commit, settings):
         return state
     K = settings.manifest.algorithm.fragments
     return _depart(
-        state, frozenset(r for r in state.departing if not _covers(commit.round, r, K)), settings
+        state, frozenset(r for r in state.departing if not covers(commit.round, r, K)), settings
     )
 
 
+def _ours(commit: Commit, settings: Settings) -> bool:
+    """``commit`` counts this process's snapshot (of its round: a snapshot's nonce is derived
+    from the round it is published in), not only one under this node's name: a snapshot an
+    earlier incarnation left under the key settles nothing this process trained."""
+    return commit.includes(settings.node, derived(settings.process, "snapshot", commit.round))
+
+
 def _depart(state: SyncerState, departing: frozenset[int], settings: Settings) -> SyncerState:
-    """The rounds the ``left`` lease still waits for; none: mark it ``left`` (renewed at
-    once)."""
-    if departing:
-        return state if departing == state.departing else attrs.evolve(state, departing=departing)
-    keeper = attrs.evolve(state.keeper, leaving=True, next_renewal=-math.inf)
-    return attrs.evolve(state, keeper=keeper, departing=None)
+    """The rounds the ``left`` lease still waits for; none: ``step`` marks it ``left`` (renewed
+    at once) once it has taken in the whole view."""
+    return state if departing == state.departing else attrs.evolve(state, departing=departing)
 
 
 def _hurry(state: SyncerState, r: int, settings: Settings) -> SyncerState:
@@ -317,7 +339,7 @@ def _hurry(state: SyncerState, r: int, settings: Settings) -> SyncerState:
     then ``polling.HURRY_POLLS`` times per interval (``closing.Context.hurried``), so its close
     begins soon after the round's last snapshot, not up to an interval later."""
     K = settings.manifest.algorithm.fragments
-    if any(_covers(c, r, K) for c, _ in state.commits):
+    if any(covers(c, r, K) for c, _ in state.commits):
         return state
     rounds = tuple(closing.poke(s) if s.round == r else s for s in state.rounds)
     return attrs.evolve(state, rounds=rounds, hurried=state.hurried | {r})
@@ -334,18 +356,15 @@ def _learn(state: SyncerState, commit: Commit, settings: Settings) -> SyncerStat
         newest[r % K] = max(newest.get(r % K, r), r)
     commits = tuple(sorted((r, c) for r, c in known.items() if r >= newest[r % K] - COMMIT_WINDOW))
     rounds = tuple(
-        attrs.evolve(s, committed=True) if _covers(commit.round, s.round, K) else s
+        attrs.evolve(s, committed=True) if covers(commit.round, s.round, K) else s
         for s in state.rounds
     )
     peers = state.peers | {i.node for i in commit.included}
-    hurried = frozenset(h for h in state.hurried if not _covers(commit.round, h, K))
-    return attrs.evolve(state, commits=commits, rounds=rounds, peers=peers, hurried=hurried)
-
-
-def _covers(committed: int, r: int, fragments: int) -> bool:
-    """A commit of round ``committed`` settles round ``r``: the same fragment, and ``r`` is
-    that round or an earlier one (each commit's base is the one before)."""
-    return committed >= r and committed % fragments == r % fragments
+    hurried = frozenset(h for h in state.hurried if not covers(commit.round, h, K))
+    foreign = frozenset(r for r in state.foreign if not covers(commit.round, r, K))
+    return attrs.evolve(
+        state, commits=commits, rounds=rounds, peers=peers, hurried=hurried, foreign=foreign
+    )
 
 
 def _rounds(

@@ -12,6 +12,9 @@ on the world clock, each node's clock rate. The checks are the design brief's in
   for lease_timeout on its own clock;
 - a node merges only committed rounds, each fragment's in increasing order; it never rebases a
   snapshot the commit included; it never has more samples counted than it trained;
+- Decision 11: a leaving node's lease says ``left`` only once each round it captured a
+  snapshot for holds that snapshot or is committed (checked as the syncer makes the write;
+  the republished progress of a missed round is the explorer's to check);
 - Decision 2: attempt a+1 is claimed only ``takeover * 2**a`` seconds (claimer's clock) after
   attempt a's claim landed, or once its claimant could be seen expired: the claimer's own
   lease listings (recorded as they executed) showed that lease unchanged for lease_timeout.
@@ -32,7 +35,7 @@ from gradientmail.core import chain, closing, keys
 from gradientmail.core.algorithm import DiLoCo
 from gradientmail.core.envelope import unseal
 from gradientmail.core.errors import FormatError
-from gradientmail.core.records import Claim, Commit, Manifest, Snapshot, read_record
+from gradientmail.core.records import Claim, Commit, Lease, Manifest, Snapshot, read_record
 from gradientmail.mailboxes._memory import MemoryMailbox
 from gradientmail.testing._virtual import NodeClock, Process, VirtualClock
 from sim.sim_mailbox import run_now
@@ -79,6 +82,8 @@ class Incarnation:
     lease_highest: dict[str, dict[str, int]] = attrs.Factory(dict)
     claim_started: dict[str, float] = attrs.Factory(dict)
     join_floor: dict[int, int] = attrs.Factory(dict)
+    left_written: bool = False  # its lease said ``left`` in a write it made
+    missed: set[int] = attrs.Factory(set)  # rounds whose commit missed its snapshot (Rebased)
     crash_after_write: bool = False
     pause_after_write: bool = False
 
@@ -168,6 +173,39 @@ class Checker:
             self._check_takeover(inc, key, claim)
         elif parsed.kind == "commit":
             self._commit_landed(inc, key, data, before)
+
+    def lease_issued(self, inc: Incarnation, key: str, data: bytes) -> None:
+        """Decision 11, as ``inc`` writes the lease that first says it ``left`` (checked as the
+        syncer makes the write, as it decided): each round it has a snapshot in flight for is
+        committed or holds that snapshot, so a closer that sees the lease ``left`` finds it. (A
+        missed round's progress published after this is not waited for.)"""
+        lease = _lease(key, data)
+        if lease is None or not lease.left or lease.node != inc.node or inc.left_written:
+            return
+        inc.left_written = True
+        trainer = getattr(inc.session, "trainer", None)
+        if trainer is None:
+            return
+        K = self.algorithm.fragments
+        for fragment in trainer.state.fragments:
+            r = fragment.outstanding
+            if r is None or r in self.commits:
+                continue
+            if any(m < r and m % K == r % K for m in inc.missed):
+                # The progress of a missed round, published again: the syncer may have decided
+                # before it heard (its loops run beside the training side's); the explorer,
+                # which runs them one at a time, checks these too.
+                continue
+            found = self.snapshots.get((r, inc.node))
+            if found is None or found[0] is not inc or found[1].nonce != fragment.nonce:
+                self.fail(
+                    "left-before-upload",
+                    f"{inc.label}'s lease says left before its snapshot of round {r} landed, "
+                    "and the round is not committed",
+                    round=r,
+                    nodes=(inc.node,),
+                )
+                return
 
     def _commit_landed(self, inc: Incarnation, key: str, data: bytes, before: bytes | None) -> None:
         commit = read_record(unseal(data).record, Commit, key=key)
@@ -362,6 +400,7 @@ class Checker:
         inc.merged[fragment] = max(last, round)
 
     def rebased(self, inc: Incarnation, missed: int, samples: int) -> None:
+        inc.missed.add(missed)
         commit = self.commits.get(missed)
         if commit is None:
             self.fail(
@@ -391,3 +430,13 @@ def _fields(record: Snapshot) -> dict[str, Any]:
         "base_round": record.base_round,
         "digest": record.digest,
     }
+
+
+def _lease(key: str, data: bytes | None) -> Lease | None:
+    """The lease record ``data`` holds, None for none (or for what is no lease record)."""
+    if not data:
+        return None
+    try:
+        return read_record(unseal(data).record, Lease, key=key)
+    except FormatError:
+        return None

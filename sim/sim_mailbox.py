@@ -64,6 +64,10 @@ class Latency:
 class WriteObserver(Protocol):
     """What the world does around each request of an incarnation's mailbox."""
 
+    def issued(self, mailbox: SimMailbox, kind: str, key: str, data: bytes) -> None:
+        """Called as the process makes a write, before it travels to the store."""
+        ...
+
     def before_write(self, mailbox: SimMailbox, kind: str, key: str, started: float) -> bool:
         """Called as a write reaches the store; may raise ``Crashed``. True: the process was
         just paused, so the request must yield before it executes."""
@@ -176,6 +180,7 @@ class SimMailbox:
 
     async def _write(self, kind: str, key: str, data: bytes) -> bool | None:
         started = self._clock.time
+        self._observer.issued(self, kind, key, data)
         await self._travel("to", kind, key)
         if self._observer.before_write(self, kind, key, started):
             await self._clock.sleep(0.0)  # the pause holds the request here

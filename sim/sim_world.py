@@ -485,6 +485,10 @@ class World:
 
     # -- the mailbox's observer (WriteObserver) -------------------------------------------
 
+    def issued(self, mailbox: SimMailbox, kind: str, key: str, data: bytes) -> None:
+        if kind == "put" and key.startswith("leases/"):
+            self.checker.lease_issued(mailbox.owner, key, data)
+
     def before_write(self, mailbox: SimMailbox, kind: str, key: str, started: float) -> bool:
         inc: Incarnation = mailbox.owner
         if "/claims/" in key:

@@ -31,11 +31,15 @@ caught by all three, on the property it breaks (``BROKEN``).
   snapshot stops counting as a live reporter's and its round never closes (liveness); the
   simulator reports the expiry itself (lease-expired-early: called expired after a LIST showed
   it renewed).
+- ``leave-early``: a leaving node's lease says ``left`` as soon as its training side is done,
+  before its last snapshots are under their keys (the race behind session 29's CI failure): a
+  closer that sees the lease ``left`` closes the round without the snapshot still uploading
+  (breaks "a ``left`` lease finds its snapshots", Decision 11).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -124,6 +128,10 @@ def _stale_lease(
     return leases.Leases(seen=tuple(sorted(seen.items())), polled_at=now)
 
 
+def _leave_early(after: Iterable[int], **_: Any) -> frozenset[int]:
+    return frozenset()
+
+
 BUGS: dict[str, Rules] = {
     "commit-overwrite": attrs.evolve(RULES, name="commit-overwrite", commit=_overwrite),
     "rebase-included": attrs.evolve(RULES, name="rebase-included", on_commit=_rebase_included),
@@ -136,6 +144,7 @@ BUGS: dict[str, Rules] = {
     "gc-too-early": attrs.evolve(RULES, name="gc-too-early", collectable=_gc_too_early),
     "chain-skips": attrs.evolve(RULES, name="chain-skips", walk=_chain_skips),
     "stale-lease": attrs.evolve(RULES, name="stale-lease", observe=_stale_lease),
+    "leave-early": attrs.evolve(RULES, name="leave-early", awaited=_leave_early),
 }
 
 BROKEN: dict[str, str] = {
@@ -148,6 +157,7 @@ BROKEN: dict[str, str] = {
     "gc-too-early": "included-exist",
     "chain-skips": "join-newest",
     "stale-lease": "eventually-committed",
+    "leave-early": "left-after-uploads",
 }
 """The property each planted bug breaks (the explorer's and the machines' invariant names)."""
 

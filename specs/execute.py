@@ -182,9 +182,34 @@ def _send(node: NodeState, loop: str, message: fx.Result) -> NodeState:
 
 
 def _renew(world: World, i: int, renew: fx.RenewLease, _: str) -> Outcome:
-    return world._replace(
-        mailbox=world.mailbox.put(keys.lease(renew.lease.node), renew.lease)
-    ), None
+    key, lease = keys.lease(renew.lease.node), renew.lease
+    before = world.mailbox.get(key)
+    if lease.left and not (
+        isinstance(before, Lease) and before.left and before.nonce == lease.nonce
+    ):
+        world = _left_after_uploads(world, i)
+    return world._replace(mailbox=world.mailbox.put(key, lease)), None
+
+
+def _left_after_uploads(world: World, i: int) -> World:
+    """Decision 11, checked as a node's lease first says ``left``: each round it has a snapshot
+    in flight for is committed, or holds that snapshot, so a closer that sees the lease
+    ``left`` finds it. (A missed round's progress published after this is not waited for.)"""
+    node, me = world.node(i), _name(world, i)
+    if node.trainer is None:
+        return world
+    for fragment in node.trainer.fragments:
+        r = fragment.outstanding
+        if r is None or commit_at(world.mailbox, r)[1] is not None:
+            continue
+        _, found = snapshot_at(world.mailbox, r, me)
+        if not (isinstance(found, SnapObj) and found.record.nonce == fragment.nonce):
+            return world.flag(
+                "left-after-uploads",
+                f"n{i}'s lease says left before its snapshot of round {r} is uploaded, and "
+                "the round is not committed",
+            )
+    return world
 
 
 def _list_leases(world: World, i: int, _: fx.ListLeases, __: str) -> Outcome:

@@ -201,6 +201,7 @@ INVARIANTS: dict[str, Callable[[World], str | None]] = {
     "single-claim": _on_mailbox(single_claim),
     "first-rounds-expect-all": first_rounds_expect_all,
     "join-newest": _flagged("join-newest"),
+    "left-after-uploads": _flagged("left-after-uploads"),
     "loops-live": _flagged("failed"),
 }
 

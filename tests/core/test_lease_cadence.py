@@ -30,6 +30,7 @@ from gradientmail.core.effects import (
     Watch,
 )
 from gradientmail.core.fragments import partition
+from gradientmail.core.identity import derived
 from gradientmail.core.records import Commit, Included, Lease, Manifest, PayloadRef
 from gradientmail.core.tensors import ParameterSpec, Schema
 
@@ -182,8 +183,10 @@ def test_a_leaving_node_lists_every_half_renewal_until_its_rounds_are_done() -> 
     assert syncer.lease_cadence(done, SETTINGS, now=0.0) == math.inf
 
 
-def commit_of(r: int, *nodes: str) -> Commit:
-    """A commit of round ``r`` (one fragment) that counts ``nodes``' snapshots."""
+def commit_of(r: int, *nodes: str, earlier: bool = False) -> Commit:
+    """A commit of round ``r`` (one fragment) that counts ``nodes``' snapshots: this process's
+    own (its nonce derived for the round) under "node-a", or with ``earlier`` an earlier
+    incarnation's."""
     return Commit(
         round=r,
         fragment=0,
@@ -192,7 +195,14 @@ def commit_of(r: int, *nodes: str) -> Commit:
         attempt=0,
         nonce=NONCE,
         included=tuple(
-            Included(node=n, nonce=NONCE, samples=1, steps=10, base_round=r - 1, digest="cd" * 32)
+            Included(
+                node=n,
+                nonce=derived(NONCE, "snapshot", r) if n == "node-a" and not earlier else NONCE,
+                samples=1,
+                steps=10,
+                base_round=r - 1,
+                digest="cd" * 32,
+            )
             for n in sorted(nodes)
         ),
         params=PayloadRef(key=keys.params(r, NONCE), digest="cd" * 32, size=16),
@@ -227,6 +237,67 @@ def test_the_lease_says_left_only_once_the_last_snapshots_are_uploaded() -> None
     assert state.keeper.leaving and state.departing is None
     renewals = [e.lease for e in effects if isinstance(e, RenewLease)]
     assert [(x.node, x.left) for x in renewals] == [("node-a", True)]
+
+
+def test_a_key_holding_another_incarnations_snapshot_is_waited_for_after_the_leave() -> None:
+    """A restarted node whose snapshot key of round 0 holds its earlier incarnation's snapshot
+    (``Watch`` without ``ours``, before the ``Leave``) has not uploaded it: the lease waits
+    for round 0, and a commit that counts only the earlier incarnation's snapshot under its
+    name (not this process's: a snapshot's nonce is derived from its process and round) does
+    not settle it; the learner's next ``Leave`` names the round its progress went to."""
+    state, _, _ = syncer.step(
+        [Watch(round=0, ours=False)], syncer.SyncerState(), now=0.0, settings=SETTINGS
+    )
+    state, effects, _ = syncer.step([Leave(after=(0,))], state, now=0.5, settings=SETTINGS)
+    assert not state.keeper.leaving and state.departing == {0}
+    assert not [e for e in effects if isinstance(e, RenewLease) and e.lease.left]
+    earlier = commit_of(0, "node-a", "node-b", earlier=True)
+    state, _, _ = syncer.step([Seen(commit=earlier)], state, now=1.0, settings=SETTINGS)
+    assert not state.keeper.leaving and state.departing == {0}
+    assert state.foreign == frozenset()  # settled by a commit: not watched any more
+    state, _, _ = syncer.step([Leave(after=(1,), replaces=(0,))], state, now=1.5, settings=SETTINGS)
+    assert not state.keeper.leaving and state.departing == {1}
+    state, effects, _ = syncer.step([Watch(round=1, ours=True)], state, now=2.0, settings=SETTINGS)
+    assert state.keeper.leaving
+    assert [e.lease.left for e in effects if isinstance(e, RenewLease)] == [True]
+
+
+def test_an_upload_into_a_round_known_committed_without_it_settles_nothing() -> None:
+    """The snapshot of round 3 landed after round 3 committed without it (the syncer knows
+    that commit): its progress goes to round 5, and the lease waits for the ``Leave`` saying
+    so, not for the upload."""
+    state, _, _ = syncer.step(
+        [Seen(commit=commit_of(3, "node-b")), Leave(after=(3,))],
+        syncer.SyncerState(),
+        now=0.0,
+        settings=SETTINGS,
+    )
+    assert state.departing == {3}
+    state, _, _ = syncer.step([Watch(round=3, ours=True)], state, now=0.5, settings=SETTINGS)
+    assert not state.keeper.leaving and state.departing == {3}
+    state, _, _ = syncer.step([Leave(after=(5,), replaces=(3,))], state, now=1.0, settings=SETTINGS)
+    assert not state.keeper.leaving and state.departing == {5}
+
+
+def test_a_leave_behind_the_last_upload_in_one_view_keeps_the_lease_waiting() -> None:
+    """The syncer decides ``left`` on its whole view: the ``Watch`` of round 3's upload and,
+    behind it, the ``Leave`` saying round 3's commit missed it and its progress went to round
+    5 (the snapshot landed after round 3 closed) leave the lease waiting for round 5."""
+    state, _, _ = syncer.step([Leave(after=(3,))], syncer.SyncerState(), now=0.0, settings=SETTINGS)
+    assert state.departing == {3}
+    view = [Watch(round=3, ours=True), Leave(after=(5,), replaces=(3,))]
+    state, effects, _ = syncer.step(view, state, now=0.5, settings=SETTINGS)
+    assert not state.keeper.leaving and state.departing == {5}
+    assert not [e for e in effects if isinstance(e, RenewLease) and e.lease.left]
+
+
+def test_a_round_a_known_commit_counts_is_not_waited_for() -> None:
+    state, _, _ = syncer.step(
+        [Seen(commit=commit_of(0, "node-a"))], syncer.SyncerState(), now=0.0, settings=SETTINGS
+    )
+    state, effects, _ = syncer.step([Leave(after=(0,))], state, now=0.5, settings=SETTINGS)
+    assert state.keeper.leaving
+    assert [e.lease.left for e in effects if isinstance(e, RenewLease)] == [True]
 
 
 def test_a_snapshot_uploaded_before_the_leave_is_not_waited_for() -> None:

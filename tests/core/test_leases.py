@@ -337,3 +337,15 @@ def test_the_md5_a_node_is_expected_to_write_is_that_of_its_sealed_record() -> N
     blob = seal(to_bytes(lease, KEYRING))
     assert leases.lease_md5(lease, KEYRING) == hashlib.md5(blob).hexdigest()
     assert leases.lease_md5(lease, None) != leases.lease_md5(lease, KEYRING)
+
+
+def test_a_left_lease_awaits_rounds_neither_uploaded_nor_counted() -> None:
+    """Decision 11 (``leases.awaited``): with four fragments, round 4 is uploaded, round 5 is
+    settled by the commit of round 9 (same fragment, later) that counts the node, round 6 by
+    nothing (that commit is of another fragment), round 7 by nothing (a commit of round 3 is
+    earlier)."""
+    waits = leases.awaited((4, 5, 6, 7), uploaded=(4,), counted=(9, 3), fragments=4)
+    assert waits == frozenset({6, 7})
+    assert leases.awaited((), uploaded=(), counted=(), fragments=4) == frozenset()
+    assert leases.covers(9, 5, 4) and leases.covers(5, 5, 4)
+    assert not leases.covers(3, 7, 4) and not leases.covers(9, 6, 4)

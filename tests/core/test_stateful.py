@@ -165,6 +165,10 @@ class WorldMachine(RuleBasedStateMachine):
         self._holds("join-newest")
 
     @invariant()
+    def left_after_uploads(self) -> None:
+        self._holds("left-after-uploads")
+
+    @invariant()
     def loops_never_fail(self) -> None:
         self._holds("loops-live")
 
@@ -361,6 +365,9 @@ PLANTED = {
     **BROKEN,
     "chain-skips": "join-newest|loops-live",
     "no-readback": "included-exist|single-claim",
+    # found at once, or inside the healed schedule of ``eventually`` (which names the flag's
+    # message, not its name)
+    "leave-early": "left-after-uploads|lease says left before its snapshot",
 }
 # Derandomized and without the example database: the same search on every run, so whether a
 # planted bug is found depends neither on luck nor on what an earlier run left in .hypothesis/.

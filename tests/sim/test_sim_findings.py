@@ -69,6 +69,8 @@ PLANTED: list[tuple[str, str, dict[str, Any]]] = [
     ("chain-skips", "join-newest", {"crash_rate": 20.0, "restart": 1.0, "downtime": 2.0}),
     # Newer leases ignored: a node calls a lease expired that its LIST showed renewed.
     ("stale-lease", "lease-expired-early", {}),
+    # A leaving node's lease says left before its last snapshot landed: half the nodes leave.
+    ("leave-early", "left-before-upload", {"leavers": 0.5}),
 ]
 
 

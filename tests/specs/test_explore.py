@@ -121,6 +121,7 @@ SHALLOW = [
     ("no-takeover", Config(nodes=2, rounds=1, leave=False, crashes=1), 13),
     ("takeover-now", Config(nodes=2, rounds=1, leave=False), 25),
     ("stale-lease", Config(nodes=1, rounds=1, leave=False), 14),
+    ("leave-early", Config(nodes=1, rounds=1), 7),
 ]
 # Races too deep to exhaust on this machine (a stalled closer taken over, a reader paused
 # until its round's payloads are collected): the random walk over the same world finds them.
