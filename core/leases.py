@@ -171,7 +171,7 @@ def awaited(
 ) -> frozenset[int]:
     """Decision 11: the rounds of ``after`` (a leaving node's snapshots in flight) that its
     ``left`` lease waits for: those whose snapshot is not under its key yet (``uploaded``: the
-    rounds it is, in rounds not known committed) and that no commit counting the node's
+    rounds it is) and that no commit counting the node's
     snapshot settles (``counted``: those commits' rounds; ``covers``). A closer that sees the
     lease ``left`` then finds those snapshots."""
     done, settled = frozenset(uploaded), tuple(counted)

@@ -91,7 +91,8 @@ class SyncerState:
     and when (``collect``: ``(round, due)``), whether it is stopping, and whether the node
     waits to see the run's nodes (``gathering``: from ``Gather`` to its first snapshot, and
     ``awaiting``, how many it waits to see), and the rounds whose snapshots the node's ``left``
-    lease waits for (``departing``: from ``Leave`` until each is uploaded or committed), and
+    lease waits for (``departing``: from ``Leave`` until this process's snapshot of each is
+    uploaded or counted by a commit), and
     the watched rounds whose snapshot key holds another incarnation's snapshot, not this one's
     (``foreign``: until a commit settles them)."""
 
@@ -208,13 +209,10 @@ def _take(
     algorithm = settings.manifest.algorithm
     if isinstance(item, Watch):
         state = _watch(state, item.round, settings)
-        K = algorithm.fragments
-        if any(covers(c, item.round, K) for c, _ in state.commits):
-            # Committed already (a commit that counts it has settled it, ``_counted``; one
-            # that does not leaves it to the ``Leave`` naming where its progress went).
-            return state, []
         if not item.ours:
             # Watched, but not uploaded: a leaving node's lease still waits for the round.
+            if any(covers(c, item.round, algorithm.fragments) for c, _ in state.commits):
+                return state, []
             return attrs.evolve(state, foreign=state.foreign | {item.round}), []
         if state.departing is not None:
             state = _depart(state, state.departing - {item.round}, settings)
@@ -290,17 +288,15 @@ def _watch(state: SyncerState, r: int, settings: Settings) -> SyncerState:
 
 def _leave(state: SyncerState, leave: Leave, settings: Settings) -> SyncerState:
     """``Leave``: the rounds the ``left`` lease waits for (Decision 11, ``leases.awaited``):
-    until this process's snapshot of each is under its key (a ``Watch`` with ``ours`` of a
-    round not known committed) or a commit counts it, or a later ``Leave`` replaces a round
-    whose commit missed it with the round its progress went to. Once the lease says ``left``
-    it stays so: progress published after the syncer decided is not waited for."""
+    until this process's snapshot of each is under its key (a ``Watch`` with ``ours``) or a
+    commit counts it, or a later ``Leave`` replaces a round whose commit missed it with the
+    round its progress went to. Once the lease says ``left`` it stays so: progress published
+    after the syncer decided is not waited for."""
     if state.keeper.leaving:
         return state
     waits = settings.rules.awaited(
         leave.after,
-        uploaded=[
-            s.round for s in state.rounds if not s.committed and s.round not in state.foreign
-        ],
+        uploaded=[s.round for s in state.rounds if s.round not in state.foreign],
         counted=[c.round for _, c in state.commits if _ours(c, settings)],
         fragments=settings.manifest.algorithm.fragments,
     )

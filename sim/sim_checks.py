@@ -83,7 +83,7 @@ class Incarnation:
     claim_started: dict[str, float] = attrs.Factory(dict)
     join_floor: dict[int, int] = attrs.Factory(dict)
     left_written: bool = False  # its lease said ``left`` in a write it made
-    missed: set[int] = attrs.Factory(set)  # rounds whose commit missed its snapshot (Rebased)
+    republished: set[int] = attrs.Factory(set)  # rounds holding a missed round's progress
     crash_after_write: bool = False
     pause_after_write: bool = False
 
@@ -183,15 +183,16 @@ class Checker:
         if lease is None or not lease.left or lease.node != inc.node or inc.left_written:
             return
         inc.left_written = True
+        if inc.status == "failed":
+            return  # the loops failed: Decision 11 lets the lease go with an upload in flight
         trainer = getattr(inc.session, "trainer", None)
         if trainer is None:
             return
-        K = self.algorithm.fragments
         for fragment in trainer.state.fragments:
             r = fragment.outstanding
             if r is None or r in self.commits:
                 continue
-            if any(m < r and m % K == r % K for m in inc.missed):
+            if r in inc.republished:
                 # The progress of a missed round, published again: the syncer may have decided
                 # before it heard (its loops run beside the training side's); the explorer,
                 # which runs them one at a time, checks these too.
@@ -400,7 +401,11 @@ class Checker:
         inc.merged[fragment] = max(last, round)
 
     def rebased(self, inc: Incarnation, missed: int, samples: int) -> None:
-        inc.missed.add(missed)
+        trainer = getattr(inc.session, "trainer", None)
+        if trainer is not None:  # the round the missed progress goes to, if it went already
+            again = trainer.state.fragments[missed % self.algorithm.fragments].outstanding
+            if again is not None and again > missed:
+                inc.republished.add(again)
         commit = self.commits.get(missed)
         if commit is None:
             self.fail(

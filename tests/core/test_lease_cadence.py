@@ -262,21 +262,21 @@ def test_a_key_holding_another_incarnations_snapshot_is_waited_for_after_the_lea
     assert [e.lease.left for e in effects if isinstance(e, RenewLease)] == [True]
 
 
-def test_an_upload_into_a_round_known_committed_without_it_settles_nothing() -> None:
-    """The snapshot of round 3 landed after round 3 committed without it (the syncer knows
-    that commit): its progress goes to round 5, and the lease waits for the ``Leave`` saying
-    so, not for the upload."""
+def test_an_upload_settles_its_round_even_after_a_newer_commit_is_known() -> None:
+    """A reader whose round 3 parameters were collected skips to the newer commit of round 5
+    and tells the syncer of that one only (the learner counts round 3 from the skipped
+    commits, so no ``Leave`` replaces it): the upload of round 3 settles it, and the lease
+    goes ``left`` instead of waiting until ``Stop``."""
     state, _, _ = syncer.step(
-        [Seen(commit=commit_of(3, "node-b")), Leave(after=(3,))],
+        [Leave(after=(3,)), Seen(commit=commit_of(5, "node-b"))],
         syncer.SyncerState(),
         now=0.0,
         settings=SETTINGS,
     )
-    assert state.departing == {3}
-    state, _, _ = syncer.step([Watch(round=3, ours=True)], state, now=0.5, settings=SETTINGS)
     assert not state.keeper.leaving and state.departing == {3}
-    state, _, _ = syncer.step([Leave(after=(5,), replaces=(3,))], state, now=1.0, settings=SETTINGS)
-    assert not state.keeper.leaving and state.departing == {5}
+    state, effects, _ = syncer.step([Watch(round=3, ours=True)], state, now=0.5, settings=SETTINGS)
+    assert state.keeper.leaving
+    assert [e.lease.left for e in effects if isinstance(e, RenewLease)] == [True]
 
 
 def test_a_leave_behind_the_last_upload_in_one_view_keeps_the_lease_waiting() -> None:
