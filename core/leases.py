@@ -171,9 +171,9 @@ def awaited(
 ) -> frozenset[int]:
     """Decision 11: the rounds of ``after`` (a leaving node's snapshots in flight) that its
     ``left`` lease waits for: those whose snapshot is not under its key yet (``uploaded``: the
-    rounds it is) and that no commit counting the node's
-    snapshot settles (``counted``: those commits' rounds; ``covers``). A closer that sees the
-    lease ``left`` then finds those snapshots."""
+    rounds it is) and that no commit counting the node's snapshot settles (``counted``: those
+    commits' rounds; ``covers``). A closer that sees the lease ``left`` then finds those
+    snapshots."""
     done, settled = frozenset(uploaded), tuple(counted)
     return frozenset(
         r for r in after if r not in done and not any(covers(c, r, fragments) for c in settled)

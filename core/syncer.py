@@ -90,11 +90,10 @@ class SyncerState:
     (a window), the peers those commits included, the rounds it will collect
     and when (``collect``: ``(round, due)``), whether it is stopping, and whether the node
     waits to see the run's nodes (``gathering``: from ``Gather`` to its first snapshot, and
-    ``awaiting``, how many it waits to see), and the rounds whose snapshots the node's ``left``
+    ``awaiting``, how many it waits to see), the rounds whose snapshots the node's ``left``
     lease waits for (``departing``: from ``Leave`` until this process's snapshot of each is
-    uploaded or counted by a commit), and
-    the watched rounds whose snapshot key holds another incarnation's snapshot, not this one's
-    (``foreign``: until a commit settles them)."""
+    uploaded or counted by a commit), and the watched rounds whose snapshot key holds another
+    incarnation's snapshot, not this one's (``foreign``: until a commit settles them)."""
 
     keeper: Keeper = attrs.Factory(Keeper)
     rounds: tuple[RoundState, ...] = ()
@@ -215,7 +214,7 @@ def _take(
                 return state, []
             return attrs.evolve(state, foreign=state.foreign | {item.round}), []
         if state.departing is not None:
-            state = _depart(state, state.departing - {item.round}, settings)
+            state = _depart(state, state.departing - {item.round})
         return state, []
     if isinstance(item, Seen):
         return _counted(_learn(state, item.commit, settings), item.commit, settings), []
@@ -276,7 +275,7 @@ def _watch(state: SyncerState, r: int, settings: Settings) -> SyncerState:
     K = settings.manifest.algorithm.fragments
     if state.gathering:
         state = attrs.evolve(state, gathering=False)
-    if any(c >= r and c % K == r % K for c, _ in state.commits):
+    if any(covers(c, r, K) for c, _ in state.commits):
         return state
     found = [s for s in state.rounds if s.round == r]
     if found:
@@ -300,9 +299,7 @@ def _leave(state: SyncerState, leave: Leave, settings: Settings) -> SyncerState:
         counted=[c.round for _, c in state.commits if _ours(c, settings)],
         fragments=settings.manifest.algorithm.fragments,
     )
-    return _depart(
-        state, ((state.departing or frozenset()) - set(leave.replaces)) | waits, settings
-    )
+    return _depart(state, ((state.departing or frozenset()) - set(leave.replaces)) | waits)
 
 
 def _counted(state: SyncerState, commit: Commit, settings: Settings) -> SyncerState:
@@ -311,9 +308,7 @@ def _counted(state: SyncerState, commit: Commit, settings: Settings) -> SyncerSt
     if state.departing is None or not _ours(commit, settings):
         return state
     K = settings.manifest.algorithm.fragments
-    return _depart(
-        state, frozenset(r for r in state.departing if not covers(commit.round, r, K)), settings
-    )
+    return _depart(state, frozenset(r for r in state.departing if not covers(commit.round, r, K)))
 
 
 def _ours(commit: Commit, settings: Settings) -> bool:
@@ -323,7 +318,7 @@ def _ours(commit: Commit, settings: Settings) -> bool:
     return commit.includes(settings.node, derived(settings.process, "snapshot", commit.round))
 
 
-def _depart(state: SyncerState, departing: frozenset[int], settings: Settings) -> SyncerState:
+def _depart(state: SyncerState, departing: frozenset[int]) -> SyncerState:
     """The rounds the ``left`` lease still waits for; none: ``step`` marks it ``left`` (renewed
     at once) once it has taken in the whole view."""
     return state if departing == state.departing else attrs.evolve(state, departing=departing)
