@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from specs.config import BUGS, Config
-from specs.explore import Result, explore, random_walk
+from specs.explore import SETTLE, Result, explore, random_walk
 from specs.state import Event
 from specs.trace import format_trace
 
@@ -66,6 +66,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--bug", action="append", default=[], choices=sorted(BUGS), help="plant")
     p.add_argument("--no-liveness", action="store_true", help="skip the liveness check")
+    p.add_argument(
+        "--settle",
+        choices=SETTLE,
+        default="bounds",
+        help="where the healed schedule runs besides the graph's fair schedules: states with "
+        "an event cut by a bound (default), every state (slower), or none",
+    )
     p.add_argument(
         "--max-states", type=int, default=200_000, help="stop after this many (0: no bound)"
     )
@@ -168,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = explore(
             config,
             liveness=liveness,
+            settle=args.settle,
             max_states=args.max_states or None,
             progress=None if args.quiet else _progress,
         )

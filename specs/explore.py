@@ -25,8 +25,11 @@ from specs.state import DOWN, Event, World
 from specs.view import fingerprint
 from specs.world import apply, initial, progress_possible, runnable, successors
 
-__all__ = ["Result", "Violation", "explore", "random_walk", "replay"]
+__all__ = ["SETTLE", "Result", "Violation", "explore", "random_walk", "replay"]
 
+SETTLE = ("bounds", "all", "none")
+"""Where ``explore`` runs the healed schedule: states with an event cut by a bound, every
+state, or none."""
 # Steps that make progress on their own (the rest only pass time or are the user's choice).
 PROGRESS = frozenset({"train", "merge", "step", "finish", "resume"})
 # A random walk favours progress and keeps faults and leaving rare, so it goes deep.
@@ -78,16 +81,20 @@ def explore(
     config: Config,
     *,
     liveness: bool = True,
-    settle_each: bool = True,
+    settle: str = "bounds",
     max_states: int | None = None,
     progress: Callable[[int, int, int], None] | None = None,
     visit: Callable[[World], None] | None = None,
 ) -> Result:
     """Breadth-first exploration of every interleaving within ``config``'s bounds;
     ``visit`` is called with one world of each distinct state. With ``liveness``: once the
-    exploration is complete, the graph's fair schedules (``specs.fairness``), and with
-    ``settle_each`` also the healed schedule from each state as it is reached (its trace is
-    the shortest to a stall it finds)."""
+    exploration is complete, the graph's fair schedules (``specs.fairness``), and the healed
+    schedule of ``specs.liveness`` (``settle``) from each state the graph cannot judge, where an
+    event was cut by a bound ("bounds", the default), from every state as it is reached
+    ("all": its trace is the shortest to a stall it finds; five times the cost), or from none
+    ("none")."""
+    if settle not in SETTLE:
+        raise ValueError(f"settle={settle!r}: expected one of {', '.join(SETTLE)}")
     started = time.perf_counter()
     world = initial(config)
     root = fingerprint(world)
@@ -100,7 +107,8 @@ def explore(
     deferred: list[Violation] = []
     generated = depth = 0
     report = 25_000
-    settling = liveness and settle_each
+    settling = liveness and settle == "all"
+    at_bounds = liveness and settle == "bounds"
     violation = _check(world, root, parents, settling, memo, deferred)
     if visit is not None:
         visit(world)
@@ -112,6 +120,8 @@ def explore(
         cut: list[Event] | None = [] if graph is not None else None
         steps = successors(world, cut=cut)
         violation = _deadlock(world, steps, fp, parents)
+        if at_bounds and cut and violation is None:
+            violation = _healed(world, fp, parents, memo, deferred)
         edges: list[tuple[Event, bytes]] = []
         for event, after in steps:
             generated += 1
@@ -195,6 +205,17 @@ def _check(
         return Violation("invariant", broken[0], broken[1], _trace(fp, parents))
     if not liveness:
         return None
+    return _healed(world, fp, parents, memo, deferred)
+
+
+def _healed(
+    world: World,
+    fp: bytes,
+    parents: dict[bytes, tuple[bytes, Event] | None],
+    memo: dict[bytes, bool],
+    deferred: list[Violation],
+) -> Violation | None:
+    """The healed schedule from ``world`` (``specs.liveness.settle``)."""
     settled = settle(world, memo=memo)
     if settled.ok:
         return None

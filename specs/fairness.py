@@ -9,7 +9,8 @@ between them):
   answer is lost or ambiguous). Only those are followed: the property is about what happens once
   faults stop, from any state faults led to.
 - **Settled states**: no running node has a snapshot in flight (``outstanding``) in any
-  fragment. Whatever it published has committed (or been rebased) and merged.
+  fragment: whatever it published has committed (or been rebased) and merged. And no node
+  that began to close (``leave``) is still alive: its ``close`` returned.
 - **Open states**: not settled, and expanded with no event cut by the bounds. A state where an
   event would leave the explored bounds (a claim attempt past ``attempts``, training past the
   last round) may escape in a larger world, so it is not judged here (``settle`` runs the
@@ -60,11 +61,15 @@ def healed(event: Event) -> bool:
 
 
 def settled(world: World) -> bool:
-    """No running node has a snapshot in flight: all it published committed and merged."""
+    """No running node has a snapshot in flight (all it published committed and merged), and
+    no node that began to close is still alive (``Node.close`` returns: Decision 11)."""
     return not any(
-        node.running
-        and node.trainer is not None
-        and any(f.outstanding is not None for f in node.trainer.fragments)
+        (node.leaving and node.alive)
+        or (
+            node.running
+            and node.trainer is not None
+            and any(f.outstanding is not None for f in node.trainer.fragments)
+        )
         for node in world.nodes
     )
 

@@ -10,7 +10,7 @@ from specs.explore import explore, replay
 from specs.fairness import Graph, settled
 from specs.state import Event
 from specs.view import fingerprint
-from specs.world import apply
+from specs.world import apply, runnable
 
 SYNCER = Event("step", 0, loop="syncer")
 LEARNER = Event("step", 1, loop="learner")
@@ -93,7 +93,7 @@ def test_the_explorer_finds_a_planted_stall_by_the_graph_alone() -> None:
     # An observer that ignores a newer lease calls the node's own lease expired: its
     # snapshot stops counting and its round never closes (specs/bugs.py).
     config = Config(nodes=1, rounds=1, leave=False, bugs=frozenset({"stale-lease"}))
-    result = explore(config, settle_each=False)
+    result = explore(config, settle="none")
     assert result.complete and result.fair > 0
     violation = result.violation
     assert violation is not None and violation.name == "eventually-committed"
@@ -107,5 +107,35 @@ def test_the_explorer_finds_a_planted_stall_by_the_graph_alone() -> None:
         world = apply(world, event)
     assert fingerprint(world) == fingerprint(start)
     # The same world without the bug has no stall.
-    clean = explore(attrs.evolve(config, bugs=frozenset()), settle_each=False)
+    clean = explore(attrs.evolve(config, bugs=frozenset()), settle="none")
     assert clean.complete and clean.violation is None and clean.fair > 0
+
+
+def test_a_node_that_began_to_close_and_is_still_alive_has_not_settled() -> None:
+    # Decision 11: close returns once the node's rounds commit; until its process is gone a
+    # fair schedule has not settled, so a close that never returns is a stall.
+    config = Config(nodes=1, rounds=1)
+    world = replay(config, [Event("join", 0)])[-1]
+    for _ in range(100):
+        if world.node(0).running:
+            break
+        joining = runnable(world.node(0), "join")
+        world = apply(world, Event("step", 0, loop="join") if joining else TICK)
+    assert world.node(0).running and settled(world)
+    closing = apply(world, LEAVE)
+    assert closing.node(0).alive and not settled(closing)
+
+
+def test_the_healed_schedule_at_the_bounds_judges_what_it_judged_from_every_state() -> None:
+    # The graph judges every state within the bounds on every fair schedule, so the healed
+    # schedule runs only where it cannot: states with an event cut by a bound. Both ways the
+    # same worlds hold and the same stall is found.
+    for config in (Config(nodes=1, rounds=2), Config(nodes=1, rounds=1, crashes=1, faults=1)):
+        every = explore(config, settle="all")
+        bounds = explore(config, settle="bounds")
+        assert every.complete and bounds.complete
+        assert every.violation is None and bounds.violation is None, bounds.violation
+        assert every.distinct == bounds.distinct and bounds.fair > 0
+    buggy = Config(nodes=1, rounds=1, leave=False, bugs=frozenset({"stale-lease"}))
+    found = [explore(buggy, settle=s).violation for s in ("all", "bounds")]
+    assert all(v is not None and v.name == "eventually-committed" for v in found), found
