@@ -4,6 +4,7 @@ big one, and print the figures and either "no violation" or the shortest trace."
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -66,6 +67,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--bug", action="append", default=[], choices=sorted(BUGS), help="plant")
     p.add_argument("--no-liveness", action="store_true", help="skip the liveness check")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="processes that expand the frontier (default: one per CPU; 1 with --settle all)",
+    )
     p.add_argument(
         "--settle",
         choices=SETTLE,
@@ -159,6 +166,12 @@ def _progress(generated: int, distinct: int, depth: int) -> None:
     print(f"  ... {distinct} distinct, {generated} explored, depth {depth}", file=sys.stderr)
 
 
+def _workers(args: argparse.Namespace) -> int:
+    if args.workers is not None:
+        return max(1, args.workers)
+    return 1 if args.settle == "all" else max(1, os.cpu_count() or 1)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -176,6 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             config,
             liveness=liveness,
             settle=args.settle,
+            workers=_workers(args),
             max_states=args.max_states or None,
             progress=None if args.quiet else _progress,
         )

@@ -85,6 +85,7 @@ def explore(
     max_states: int | None = None,
     progress: Callable[[int, int, int], None] | None = None,
     visit: Callable[[World], None] | None = None,
+    workers: int = 1,
 ) -> Result:
     """Breadth-first exploration of every interleaving within ``config``'s bounds;
     ``visit`` is called with one world of each distinct state. With ``liveness``: once the
@@ -92,9 +93,23 @@ def explore(
     schedule of ``specs.liveness`` (``settle``) from each state the graph cannot judge, where an
     event was cut by a bound ("bounds", the default), from every state as it is reached
     ("all": its trace is the shortest to a stall it finds; five times the cost), or from none
-    ("none")."""
+    ("none"). With ``workers`` above 1 the frontier is expanded by that many processes
+    (``specs.parallel``; "bounds" or "none" only)."""
     if settle not in SETTLE:
         raise ValueError(f"settle={settle!r}: expected one of {', '.join(SETTLE)}")
+    if workers > 1:
+        if visit is not None:
+            raise ValueError("visit needs every world in this process: run with workers=1")
+        from specs.parallel import explore_parallel  # it builds on this module
+
+        return explore_parallel(
+            config,
+            workers=workers,
+            liveness=liveness,
+            settle=settle,
+            max_states=max_states,
+            progress=progress,
+        )
     started = time.perf_counter()
     world = initial(config)
     root = fingerprint(world)
@@ -126,7 +141,7 @@ def explore(
         for event, after in steps:
             generated += 1
             child = fingerprint(after)
-            edges.append((_labelled(world, event), child))
+            edges.append((labelled(world, event), child))
             if child in parents:
                 continue
             if graph is not None:
@@ -145,6 +160,21 @@ def explore(
             progress(generated, len(parents), depth)
             report += 25_000
     complete = not queue and violation is None
+    return finish(config, graph, parents, deferred, violation, complete, generated, depth, started)
+
+
+def finish(
+    config: Config,
+    graph: Graph | None,
+    parents: dict[bytes, tuple[bytes, Event] | None],
+    deferred: list[Violation],
+    violation: Violation | None,
+    complete: bool,
+    generated: int,
+    depth: int,
+    started: float,
+) -> Result:
+    """The result of an exploration: once it is complete, the graph's fair schedules."""
     fair = 0
     if complete and graph is not None:
         stall = graph.stall(depth=lambda fp: len(_trace(fp, parents)))
@@ -172,7 +202,7 @@ def explore(
     )
 
 
-def _labelled(world: World, event: Event) -> Event:
+def labelled(world: World, event: Event) -> Event:
     """``event`` as the graph's fairness reads it: a crashed node's ``join`` is a restart."""
     if event.kind == "join" and world.node(event.node).status == DOWN:
         return event._replace(loop=RESTART)
@@ -189,6 +219,21 @@ def _trace(fp: bytes, parents: dict[bytes, tuple[bytes, Event] | None]) -> tuple
     return tuple(reversed(events))
 
 
+class Finding(NamedTuple):
+    """A violation before its trace is known (what a worker of ``specs.parallel`` sends):
+    ``kind`` "invariant", "deadlock", "liveness", or "deferred" (an invariant broken inside a
+    healed schedule, reported only if nothing else is found)."""
+
+    kind: str
+    name: str
+    message: str
+    tail: tuple[Event, ...] = ()
+
+    def violation(self, fp: bytes, parents: dict[bytes, tuple[bytes, Event] | None]) -> Violation:
+        kind = "invariant" if self.kind == "deferred" else self.kind
+        return Violation(kind, self.name, self.message, _trace(fp, parents), self.tail)
+
+
 def _check(
     world: World,
     fp: bytes,
@@ -200,12 +245,32 @@ def _check(
     """Safety at once; liveness by the healed schedule. An invariant that breaks inside a
     healed schedule is kept aside: a shortest trace to it within the bounds may yet come, so
     it is reported only if the exploration finds nothing else."""
+    found = judge(world, liveness, memo)
+    return None if found is None else resolve(found, fp, parents, deferred)
+
+
+def judge(world: World, liveness: bool, memo: dict[bytes, bool]) -> Finding | None:
+    """What a newly reached state breaks: an invariant, or (with ``liveness``) the healed
+    schedule from it."""
     broken = check(world)
     if broken is not None:
-        return Violation("invariant", broken[0], broken[1], _trace(fp, parents))
-    if not liveness:
-        return None
-    return _healed(world, fp, parents, memo, deferred)
+        return Finding("invariant", broken[0], broken[1])
+    return healed(world, memo) if liveness else None
+
+
+def resolve(
+    found: Finding,
+    fp: bytes,
+    parents: dict[bytes, tuple[bytes, Event] | None],
+    deferred: list[Violation],
+) -> Violation | None:
+    """The violation ``found`` at ``fp``, or None when it is deferred (kept in ``deferred``
+    if it is the first)."""
+    if found.kind != "deferred":
+        return found.violation(fp, parents)
+    if not deferred:
+        deferred.append(found.violation(fp, parents))
+    return None
 
 
 def _healed(
@@ -215,19 +280,20 @@ def _healed(
     memo: dict[bytes, bool],
     deferred: list[Violation],
 ) -> Violation | None:
+    found = healed(world, memo)
+    return None if found is None else resolve(found, fp, parents, deferred)
+
+
+def healed(world: World, memo: dict[bytes, bool]) -> Finding | None:
     """The healed schedule from ``world`` (``specs.liveness.settle``)."""
     settled = settle(world, memo=memo)
     if settled.ok:
         return None
     if settled.broken is not None:
-        if not deferred:
-            name, message = settled.broken
-            deferred.append(
-                Violation("invariant", name, message, _trace(fp, parents), settled.events)
-            )
-        return None
+        name, message = settled.broken
+        return Finding("deferred", name, message, settled.events)
     tail = settle(world).events  # again without the memo, for the whole schedule
-    return Violation("liveness", "eventually-committed", settled.reason, _trace(fp, parents), tail)
+    return Finding("liveness", "eventually-committed", settled.reason, tail)
 
 
 def _deadlock(
@@ -236,6 +302,12 @@ def _deadlock(
     fp: bytes,
     parents: dict[bytes, tuple[bytes, Event] | None],
 ) -> Violation | None:
+    found = deadlock(world, steps)
+    return None if found is None else found.violation(fp, parents)
+
+
+def deadlock(world: World, steps: list[tuple[Event, World]]) -> Finding | None:
+    """No progress step now, or after waiting out every timer, while a round is in flight."""
     if any(event.kind in PROGRESS for event, _ in steps) or progress_possible(world, PROGRESS):
         return None
     waiting = [
@@ -255,7 +327,7 @@ def _deadlock(
         ):
             return None
     nodes = ", ".join(f"n{i}" for i in waiting)
-    return Violation("deadlock", "deadlock", f"{nodes} wait forever", _trace(fp, parents))
+    return Finding("deadlock", "deadlock", f"{nodes} wait forever")
 
 
 def random_walk(
