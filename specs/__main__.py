@@ -144,6 +144,11 @@ def report(result: Result, *, walk: bool) -> str:
         lines.append(
             f"fair schedules:   judged from {result.fair} unsettled states (specs.fairness)"
         )
+    elif not walk and not result.complete:
+        lines.append(
+            "fair schedules:   not judged (only a complete exploration is): liveness rests on "
+            "the healed schedule, from the states at the bounds unless --settle all"
+        )
     v = result.violation
     if v is None:
         if walk:

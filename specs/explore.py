@@ -90,8 +90,9 @@ def explore(
     """Breadth-first exploration of every interleaving within ``config``'s bounds;
     ``visit`` is called with one world of each distinct state. With ``liveness``: once the
     exploration is complete, the graph's fair schedules (``specs.fairness``), and the healed
-    schedule of ``specs.liveness`` (``settle``) from each state the graph cannot judge, where an
-    event was cut by a bound ("bounds", the default), from every state as it is reached
+    schedule of ``specs.liveness`` (``settle``) from each state the graph cannot judge: where an
+    event was cut by a bound, and in a world whose nodes never leave every state, since only
+    that schedule closes them there ("bounds", the default); from every state as it is reached
     ("all": its trace is the shortest to a stall it finds; five times the cost), or from none
     ("none"). With ``workers`` above 1 the frontier is expanded by that many processes
     (``specs.parallel``; "bounds" or "none" only)."""
@@ -128,14 +129,14 @@ def explore(
     if visit is not None:
         visit(world)
     while queue and violation is None:
-        world, fp, d = queue.popleft()
-        depth = max(depth, d)
         if max_states is not None and len(parents) >= max_states:
             break
+        world, fp, d = queue.popleft()
+        depth = max(depth, d)
         cut: list[Event] | None = [] if graph is not None else None
         steps = successors(world, cut=cut)
         violation = _deadlock(world, steps, fp, parents)
-        if at_bounds and cut and violation is None:
+        if at_bounds and (cut or not config.leave) and violation is None:
             violation = _healed(world, fp, parents, memo, deferred)
         edges: list[tuple[Event, bytes]] = []
         for event, after in steps:

@@ -9,8 +9,9 @@ between them):
   answer is lost or ambiguous). Only those are followed: the property is about what happens once
   faults stop, from any state faults led to.
 - **Settled states**: no running node has a snapshot in flight (``outstanding``) in any
-  fragment: whatever it published has committed (or been rebased) and merged. And no node
-  that began to close (``leave``) is still alive: its ``close`` returned.
+  fragment: whatever it published has committed (or been rebased) and merged. No node is
+  still joining, and no node that began to close (``leave``) is still alive: its ``close``
+  returned.
 - **Open states**: not settled, and expanded with no event cut by the bounds. A state where an
   event would leave the explored bounds (a claim attempt past ``attempts``, training past the
   last round) may escape in a larger world, so it is not judged here (``settle`` runs the
@@ -38,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
-from specs.state import Event, World
+from specs.state import JOINING, Event, World
 
 __all__ = ["BOUND", "RESTART", "Graph", "Stall", "settled"]
 
@@ -61,10 +62,12 @@ def healed(event: Event) -> bool:
 
 
 def settled(world: World) -> bool:
-    """No running node has a snapshot in flight (all it published committed and merged), and
-    no node that began to close is still alive (``Node.close`` returns: Decision 11)."""
+    """No running node has a snapshot in flight (all it published committed and merged), no
+    node is still joining, and no node that began to close is still alive (``Node.close``
+    returns: Decision 11)."""
     return not any(
-        (node.leaving and node.alive)
+        node.status == JOINING
+        or (node.leaving and node.alive)
         or (
             node.running
             and node.trainer is not None

@@ -2,15 +2,15 @@
 
 The search is level by level, as ``specs.explore``'s is, so every violation it reports has a
 shortest trace, and a complete exploration reaches the same distinct states, generates the same
-successors and reaches the same depth. Each worker (a forked process) holds its share of the
-frontier as worlds and expands it: it computes every successor, its fingerprint and the
-graph's edge labels, checks each state new to it (the invariants, deadlock, the healed schedule
-where the settings ask for it), and sends back fingerprints, events and findings only. The
-coordinator (this process) keeps what ``explore`` keeps, the parent pointers and the graph, so
-traces and the fair-schedule check are the sequential ones. A state that two workers reach in
-one level is kept by the first (in worker order); the others drop it. Worlds move between
-workers only to even out their shares, since a moved world loses the fingerprint encodings
-its worker had cached for its parts.
+successors and reaches the same depth (a level may overshoot ``max_states``). Each worker (a
+spawned process) holds its share of the frontier as worlds and expands it: it computes every
+successor, its fingerprint and the graph's edge labels, checks each state new to it (the
+invariants, deadlock, the healed schedule where the settings ask for it), and sends back
+fingerprints, events and findings only. The coordinator (this process) keeps what ``explore``
+keeps, the parent pointers and the graph, so traces and the fair-schedule check are the
+sequential ones. A state that two workers reach in one level is kept by the first (in worker
+order); the others drop it. Worlds move between workers only to even out their shares, since a
+moved world loses the fingerprint encodings its worker had cached for its parts.
 
 Every process keeps the set of fingerprints reached so far (16 bytes a state, several times
 over in Python's sets), so memory grows with the workers.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import pickle
 import time
 import traceback
 from collections.abc import Callable
@@ -68,7 +69,8 @@ def explore_parallel(
     if workers < 2:
         raise ValueError(f"workers={workers}: at least two (one runs specs.explore.explore)")
     started = time.perf_counter()
-    context = multiprocessing.get_context("fork")
+    # Spawned, not forked: a process with threads (a test session's worker pool) may not fork.
+    context = multiprocessing.get_context("spawn")
     pipes: list[Connection] = []
     processes = []
     for _ in range(workers):
@@ -86,10 +88,12 @@ def explore_parallel(
         for pipe in pipes:
             with contextlib.suppress(OSError):
                 pipe.send(("stop",))
+        deadline = time.monotonic() + 5
         for process in processes:
-            process.join(timeout=10)
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 process.kill()
+                process.join()
 
 
 def _coordinate(
@@ -127,6 +131,12 @@ def _coordinate(
             _receive(pipe) if share else (0, [], [])
             for pipe, share in zip(pipes, shares, strict=True)
         ]
+        # What the level's states broke comes before what their successors break: a finding
+        # at this depth has the shorter trace.
+        for _, expanded, _ in results:
+            for fp, _, _, finding in expanded:
+                if violation is None and finding is not None:
+                    violation = resolve(finding, fp, parents, deferred)
         kept: list[list[bytes]] = [[] for _ in pipes]
         for w, (count, _, reached) in enumerate(results):
             generated += count
@@ -140,11 +150,9 @@ def _coordinate(
                 if violation is None and finding is not None:
                     violation = resolve(finding, child, parents, deferred)
         for _, expanded, _ in results:
-            for fp, edges, cut, finding in expanded:
+            for fp, edges, cut, _ in expanded:
                 if graph is not None:
                     graph.expand(fp, edges, cut)
-                if violation is None and finding is not None:
-                    violation = resolve(finding, fp, parents, deferred)
         new = [fp for share in kept for fp in share]
         if new:
             depth += 1
@@ -174,8 +182,10 @@ def _balance(pipes: list[Connection], kept: list[list[bytes]], new: list[bytes])
     for w, share in enumerate(kept):
         surplus = max(0, len(share) - wanted[w])
         give.append(share[len(share) - surplus :] if surplus else [])
+    visited = pickle.dumps(("visited", new), protocol=pickle.HIGHEST_PROTOCOL)
     for pipe, share, out in zip(pipes, kept, give, strict=True):
-        pipe.send(("level", new, share[: len(share) - len(out)], out))
+        pipe.send_bytes(visited)  # pickled once: what ``send`` would send
+        pipe.send(("level", share[: len(share) - len(out)], out))
     moving: list[tuple[bytes, World]] = []
     for pipe, out in zip(pipes, give, strict=True):
         if out:
@@ -188,6 +198,10 @@ def _balance(pipes: list[Connection], kept: list[list[bytes]], new: list[bytes])
             moving = moving[need:]
             shares[w] += need
     assert not moving
+    for pipe in pipes:  # a worker sends nothing unasked but its failure
+        if pipe.poll():
+            _receive(pipe)
+            raise RuntimeError("an explorer worker sent what it was not asked for")
     return shares
 
 
@@ -226,8 +240,7 @@ def _serve(
             pipe.send(_expand(frontier, visited, reached, memo, liveness, at_bounds))
             frontier.clear()
         elif kind == "level":
-            _, new, keep, give = message
-            visited.update(new)
+            _, keep, give = message
             frontier[:] = [(fp, reached[fp]) for fp in keep]
             if give:
                 pipe.send([(fp, reached[fp]) for fp in give])
@@ -249,7 +262,7 @@ def _expand(
         cut: list[Event] | None = [] if liveness else None
         steps = successors(world, cut=cut)
         finding = deadlock(world, steps)
-        if finding is None and at_bounds and cut:
+        if finding is None and at_bounds and (cut or not world.config.leave):
             finding = healed(world, memo)
         edges: list[tuple[Event, bytes]] = []
         for event, after in steps:
