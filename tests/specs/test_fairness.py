@@ -130,7 +130,7 @@ def test_the_healed_schedule_at_the_bounds_judges_what_it_judged_from_every_stat
     # The graph judges every state within the bounds on every fair schedule, so the healed
     # schedule runs only where it cannot: states with an event cut by a bound. Both ways the
     # same worlds hold and the same stall is found.
-    for config in (Config(nodes=1, rounds=2), Config(nodes=1, rounds=1, crashes=1, faults=1)):
+    for config in (Config(nodes=1, rounds=2), Config(nodes=1, rounds=1, crashes=1)):
         every = explore(config, settle="all")
         bounds = explore(config, settle="bounds")
         assert every.complete and bounds.complete
