@@ -112,12 +112,7 @@ def explore(
             progress=progress,
         )
     started = time.perf_counter()
-    world = initial(config)
-    root = fingerprint(world)
-    graph = Graph() if liveness else None
-    if graph is not None:
-        graph.add(root, settled(world))
-    parents: dict[bytes, tuple[bytes, Event] | None] = {root: None}
+    world, root, graph, parents = begin(config, liveness)
     queue: deque[tuple[World, bytes, int]] = deque([(world, root, 0)])
     memo: dict[bytes, bool] = {}
     deferred: list[Violation] = []
@@ -201,6 +196,19 @@ def finish(
         complete=complete,
         fair=fair,
     )
+
+
+def begin(
+    config: Config, liveness: bool
+) -> tuple[World, bytes, Graph | None, dict[bytes, tuple[bytes, Event] | None]]:
+    """An exploration's start: the initial world, its fingerprint, the graph (with
+    ``liveness``) and the parent pointers, each holding it."""
+    world = initial(config)
+    root = fingerprint(world)
+    graph = Graph() if liveness else None
+    if graph is not None:
+        graph.add(root, settled(world))
+    return world, root, graph, {root: None}
 
 
 def labelled(world: World, event: Event) -> Event:

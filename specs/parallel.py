@@ -32,6 +32,7 @@ from specs.explore import (
     Finding,
     Result,
     Violation,
+    begin,
     deadlock,
     finish,
     healed,
@@ -39,10 +40,10 @@ from specs.explore import (
     labelled,
     resolve,
 )
-from specs.fairness import Graph, settled
+from specs.fairness import settled
 from specs.state import Event, World
 from specs.view import fingerprint
-from specs.world import initial, successors
+from specs.world import successors
 
 __all__ = ["explore_parallel"]
 
@@ -104,12 +105,7 @@ def _coordinate(
     progress: Callable[[int, int, int], None] | None,
     started: float,
 ) -> Result:
-    world = initial(config)
-    root = fingerprint(world)
-    graph = Graph() if liveness else None
-    if graph is not None:
-        graph.add(root, settled(world))
-    parents: dict[bytes, tuple[bytes, Event] | None] = {root: None}
+    world, root, graph, parents = begin(config, liveness)
     deferred: list[Violation] = []
     violation: Violation | None = None
     found = judge(world, False, {})
