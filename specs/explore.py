@@ -120,7 +120,7 @@ def explore(
     report = 25_000
     settling = liveness and settle == "all"
     at_bounds = liveness and settle == "bounds"
-    violation = _check(world, root, parents, settling, memo, deferred)
+    violation = resolve(judge(world, settling, memo), root, parents, deferred)
     if visit is not None:
         visit(world)
     while queue and violation is None:
@@ -130,9 +130,9 @@ def explore(
         depth = max(depth, d)
         cut: list[Event] | None = [] if graph is not None else None
         steps = successors(world, cut=cut)
-        violation = _deadlock(world, steps, fp, parents)
-        if at_bounds and (cut or not config.leave) and violation is None:
-            violation = _healed(world, fp, parents, memo, deferred)
+        violation = resolve(deadlock(world, steps), fp, parents, deferred)
+        if at_bounds and heals_at(world, cut) and violation is None:
+            violation = resolve(healed(world, memo), fp, parents, deferred)
         edges: list[tuple[Event, bytes]] = []
         for event, after in steps:
             generated += 1
@@ -145,7 +145,7 @@ def explore(
             parents[child] = (fp, event)
             if visit is not None:
                 visit(after)
-            violation = violation or _check(after, child, parents, settling, memo, deferred)
+            violation = violation or resolve(judge(after, settling, memo), child, parents, deferred)
             if violation is not None:
                 depth = d + 1
                 break
@@ -243,24 +243,11 @@ class Finding(NamedTuple):
         return Violation(kind, self.name, self.message, _trace(fp, parents), self.tail)
 
 
-def _check(
-    world: World,
-    fp: bytes,
-    parents: dict[bytes, tuple[bytes, Event] | None],
-    liveness: bool,
-    memo: dict[bytes, bool],
-    deferred: list[Violation],
-) -> Violation | None:
-    """Safety at once; liveness by the healed schedule. An invariant that breaks inside a
-    healed schedule is kept aside: a shortest trace to it within the bounds may yet come, so
-    it is reported only if the exploration finds nothing else."""
-    found = judge(world, liveness, memo)
-    return None if found is None else resolve(found, fp, parents, deferred)
-
-
 def judge(world: World, liveness: bool, memo: dict[bytes, bool]) -> Finding | None:
-    """What a newly reached state breaks: an invariant, or (with ``liveness``) the healed
-    schedule from it."""
+    """What a newly reached state breaks: an invariant at once, or (with ``liveness``) the
+    healed schedule from it. An invariant that breaks inside a healed schedule is kept aside
+    (``resolve``): a shortest trace to it within the bounds may yet come, so it is reported
+    only if the exploration finds nothing else."""
     broken = check(world)
     if broken is not None:
         return Finding("invariant", broken[0], broken[1])
@@ -268,13 +255,15 @@ def judge(world: World, liveness: bool, memo: dict[bytes, bool]) -> Finding | No
 
 
 def resolve(
-    found: Finding,
+    found: Finding | None,
     fp: bytes,
     parents: dict[bytes, tuple[bytes, Event] | None],
     deferred: list[Violation],
 ) -> Violation | None:
-    """The violation ``found`` at ``fp``, or None when it is deferred (kept in ``deferred``
-    if it is the first)."""
+    """The violation ``found`` at ``fp``, or None when nothing was found or it is deferred
+    (kept in ``deferred`` if it is the first)."""
+    if found is None:
+        return None
     if found.kind != "deferred":
         return found.violation(fp, parents)
     if not deferred:
@@ -282,15 +271,11 @@ def resolve(
     return None
 
 
-def _healed(
-    world: World,
-    fp: bytes,
-    parents: dict[bytes, tuple[bytes, Event] | None],
-    memo: dict[bytes, bool],
-    deferred: list[Violation],
-) -> Violation | None:
-    found = healed(world, memo)
-    return None if found is None else resolve(found, fp, parents, deferred)
+def heals_at(world: World, cut: list[Event] | None) -> bool:
+    """With ``settle="bounds"``: whether the healed schedule runs from an expanded state, one
+    where an event was ``cut`` by a bound, or any state of a world whose nodes never leave
+    (only that schedule closes them there)."""
+    return bool(cut) or not world.config.leave
 
 
 def healed(world: World, memo: dict[bytes, bool]) -> Finding | None:
@@ -303,16 +288,6 @@ def healed(world: World, memo: dict[bytes, bool]) -> Finding | None:
         return Finding("deferred", name, message, settled.events)
     tail = settle(world).events  # again without the memo, for the whole schedule
     return Finding("liveness", "eventually-committed", settled.reason, tail)
-
-
-def _deadlock(
-    world: World,
-    steps: list[tuple[Event, World]],
-    fp: bytes,
-    parents: dict[bytes, tuple[bytes, Event] | None],
-) -> Violation | None:
-    found = deadlock(world, steps)
-    return None if found is None else found.violation(fp, parents)
 
 
 def deadlock(world: World, steps: list[tuple[Event, World]]) -> Finding | None:

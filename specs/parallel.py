@@ -36,6 +36,7 @@ from specs.explore import (
     deadlock,
     finish,
     healed,
+    heals_at,
     judge,
     labelled,
     resolve,
@@ -107,10 +108,7 @@ def _coordinate(
 ) -> Result:
     world, root, graph, parents = begin(config, liveness)
     deferred: list[Violation] = []
-    violation: Violation | None = None
-    found = judge(world, False, {})
-    if found is not None:
-        violation = found.violation(root, parents)
+    violation = resolve(judge(world, False, {}), root, parents, deferred)
     for pipe in pipes:
         pipe.send(("visited", [root]))
     pipes[0].send(("take", [(root, world)]))
@@ -131,8 +129,7 @@ def _coordinate(
         # at this depth has the shorter trace.
         for _, expanded, _ in results:
             for fp, _, _, finding in expanded:
-                if violation is None and finding is not None:
-                    violation = resolve(finding, fp, parents, deferred)
+                violation = violation or resolve(finding, fp, parents, deferred)
         kept: list[list[bytes]] = [[] for _ in pipes]
         for w, (count, _, reached) in enumerate(results):
             generated += count
@@ -143,8 +140,7 @@ def _coordinate(
                 if graph is not None:
                     graph.add(child, done)
                 kept[w].append(child)
-                if violation is None and finding is not None:
-                    violation = resolve(finding, child, parents, deferred)
+                violation = violation or resolve(finding, child, parents, deferred)
         for _, expanded, _ in results:
             for fp, edges, cut, _ in expanded:
                 if graph is not None:
@@ -258,7 +254,7 @@ def _expand(
         cut: list[Event] | None = [] if liveness else None
         steps = successors(world, cut=cut)
         finding = deadlock(world, steps)
-        if finding is None and at_bounds and (cut or not world.config.leave):
+        if finding is None and at_bounds and heals_at(world, cut):
             finding = healed(world, memo)
         edges: list[tuple[Event, bytes]] = []
         for event, after in steps:
