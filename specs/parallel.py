@@ -40,6 +40,7 @@ from specs.explore import (
     judge,
     labelled,
     resolve,
+    without_gc,
 )
 from specs.fairness import settled
 from specs.state import Event, World
@@ -85,7 +86,8 @@ def explore_parallel(
         pipes.append(here)
         processes.append(process)
     try:
-        return _coordinate(config, pipes, liveness, max_states, progress, started)
+        with without_gc():
+            return _coordinate(config, pipes, liveness, max_states, progress, started)
     finally:
         for pipe in pipes:
             with contextlib.suppress(OSError):
@@ -205,7 +207,8 @@ def _work(pipe: Connection, config: Config, liveness: bool, at_bounds: bool) -> 
     reached: dict[bytes, World] = {}
     memo: dict[bytes, bool] = {}
     try:
-        _serve(pipe, visited, frontier, reached, memo, liveness, at_bounds)
+        with without_gc():
+            _serve(pipe, visited, frontier, reached, memo, liveness, at_bounds)
     except Exception:  # the coordinator raises it, with the worker's traceback
         pipe.send(("error", traceback.format_exc()))
 
