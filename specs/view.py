@@ -49,7 +49,7 @@ def fingerprint(world: World) -> bytes:
     versions = _versions(world.mailbox)
     text = _text(
         [
-            _text([_repr(_node(world, node, versions)) for node in world.nodes]),
+            _text([_node_text(world, node, versions) for node in world.nodes]),
             _repr(_mailbox(world.mailbox)),
             _repr(world.spans),
             repr(_ghosts(world)),
@@ -118,14 +118,52 @@ def _cached(obj: object, salt: object, compute: Any) -> Any:
 
 def _node(world: World, node: NodeState, versions: dict[str, str]) -> Any:
     config = world.config
+    salt = _salt(config, node.clock, versions)
+    key = (id(node), salt)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0] is node:
+        return hit[1]
     skew = node.clock - world.time if config.drift else 0
-    cap = config.cap
-    coded = (config.exact, config.renewals_ahead, config.lease_every, config.lease_timeout)
-    salt = hash((node.clock, cap, coded, tuple(sorted(versions.items()))))
     coder = _Coder(
-        node.clock, cap, versions, config.renewals_ahead, None if config.exact else config, salt
-    )
-    return _cached(node, salt, lambda: (skew, *map(coder.encode, node._replace(clock=0))))
+        node.clock, config.cap, versions, config.renewals_ahead, None if config.exact else config,
+        salt,
+    )  # fmt: skip
+    if len(_CACHE) > _LIMIT:
+        _CACHE.clear()
+    encoded = (skew, *map(coder.encode, node._replace(clock=0)))
+    _CACHE[key] = (node, encoded)
+    return encoded
+
+
+def _node_text(world: World, node: NodeState, versions: dict[str, str]) -> str:
+    """``repr(_node(...))``, kept beside the node under its salt: most nodes of a successor
+    are its parent's, under the same clock and lease versions."""
+    key = (id(node), _salt(world.config, node.clock, versions), "repr")
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0] is node:
+        return hit[1]  # type: ignore[no-any-return]
+    text = repr(_node(world, node, versions))
+    _CACHE[key] = (node, text)
+    return text
+
+
+_SALTS: dict[tuple[int, int, int], tuple[Config, dict[str, str], int]] = {}
+
+
+def _salt(config: Config, clock: int, versions: dict[str, str]) -> int:
+    """What a node's encodings depend on besides the node (its clock, the view's settings and
+    the current lease versions: ``versions`` is one dict per mailbox) as one hashed key, made
+    once per clock and mailbox."""
+    key = (id(config), id(versions), clock)
+    hit = _SALTS.get(key)
+    if hit is not None and hit[0] is config and hit[1] is versions:
+        return hit[2]
+    coded = (config.exact, config.renewals_ahead, config.lease_every, config.lease_timeout)
+    salt = hash((clock, config.cap, coded, tuple(sorted(versions.items()))))
+    if len(_SALTS) > _LIMIT // 8:
+        _SALTS.clear()
+    _SALTS[key] = (config, versions, salt)
+    return salt
 
 
 def _mailbox(mailbox: Mailbox) -> Any:
