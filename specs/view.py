@@ -97,11 +97,11 @@ def _versions(mailbox: Mailbox) -> dict[str, str]:
 # Encodings of unchanged parts are reused: a successor shares most of its parts with its
 # parent (the same objects), down to the records and states nested in a loop. An encoding that
 # read no time and no lease version is the same under every coder, and is kept once
-# (salt ``_ANY``); the rest are kept per coder (its clock, cap and lease versions: the salt).
+# (``_PLAIN``); the rest are kept per coder (its clock, cap and lease versions: the salt).
 # Each entry keeps its object alive, so an id() is never reused while its entry exists.
 _CACHE: dict[tuple[int, object], tuple[object, object]] = {}
+_PLAIN: dict[int, tuple[object, object]] = {}
 _LIMIT = 1_500_000
-_ANY = "any"
 
 
 def _cached(obj: object, salt: object, compute: Any) -> Any:
@@ -110,41 +110,56 @@ def _cached(obj: object, salt: object, compute: Any) -> Any:
     if hit is not None and hit[0] is obj:
         return hit[1]
     if len(_CACHE) > _LIMIT:
-        _CACHE.clear()
+        _clear()
     value = compute()
     _CACHE[key] = (obj, value)
     return value
 
 
 def _node(world: World, node: NodeState, versions: dict[str, str]) -> Any:
-    config = world.config
-    salt = _salt(config, node.clock, versions)
+    return _node_coded(world, node, versions, _salt(world.config, node.clock, versions))
+
+
+def _node_coded(world: World, node: NodeState, versions: dict[str, str], salt: int) -> Any:
     key = (id(node), salt)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is node:
         return hit[1]
+    config = world.config
     skew = node.clock - world.time if config.drift else 0
     coder = _Coder(
         node.clock, config.cap, versions, config.renewals_ahead, None if config.exact else config,
         salt,
     )  # fmt: skip
     if len(_CACHE) > _LIMIT:
-        _CACHE.clear()
-    encoded = (skew, *map(coder.encode, node._replace(clock=0)))
+        _clear()
+    encode = coder.encode
+    # The node with its clock as 0 (every time in it is already relative to the clock).
+    encoded = (skew, *map(encode, node[:_CLOCK]), 0, *map(encode, node[_CLOCK + 1 :]))
     _CACHE[key] = (node, encoded)
     return encoded
+
+
+_CLOCK = NodeState._fields.index("clock")
 
 
 def _node_text(world: World, node: NodeState, versions: dict[str, str]) -> str:
     """``repr(_node(...))``, kept beside the node under its salt: most nodes of a successor
     are its parent's, under the same clock and lease versions."""
-    key = (id(node), _salt(world.config, node.clock, versions), "repr")
+    salt = _salt(world.config, node.clock, versions)
+    key = (id(node), salt, "repr")
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is node:
         return hit[1]  # type: ignore[no-any-return]
-    text = repr(_node(world, node, versions))
+    text = repr(_node_coded(world, node, versions, salt))
     _CACHE[key] = (node, text)
     return text
+
+
+def _clear() -> None:
+    """Forget every kept encoding (the caches hold their objects alive)."""
+    _CACHE.clear()
+    _PLAIN.clear()
 
 
 _SALTS: dict[tuple[int, int, int], tuple[Config, dict[str, str], int]] = {}
@@ -239,18 +254,21 @@ class _Coder:
             self.reads += 1
             return min(self.cap, max(-self.cap, round(value - self.clock, 6)))
         key = id(value)
-        hit = _CACHE.get((key, _ANY))
+        hit = _PLAIN.get(key)
         if hit is not None and hit[0] is value:
             return hit[1]
         hit = _CACHE.get((key, self.salt))
         if hit is not None and hit[0] is value:
             self.reads += 1  # what contains it depends on this coder too
             return hit[1]
-        if len(_CACHE) > _LIMIT:
-            _CACHE.clear()
+        if len(_CACHE) > _LIMIT or len(_PLAIN) > _LIMIT:
+            _clear()
         before = self.reads
         encoded = self._encode(value)
-        _CACHE[(key, _ANY if self.reads == before else self.salt)] = (value, encoded)
+        if self.reads == before:
+            _PLAIN[key] = (value, encoded)
+        else:
+            _CACHE[(key, self.salt)] = (value, encoded)
         return encoded
 
     def _encode(self, value: Any) -> Any:
