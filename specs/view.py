@@ -26,6 +26,7 @@ against the view encoded afresh.)
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from typing import Any
 
@@ -163,18 +164,27 @@ def _clear() -> None:
 
 
 _SALTS: dict[tuple[int, int, int], tuple[Config, dict[str, str], int]] = {}
+# Each distinct (clock, settings, lease versions) gets a number of its own, never reused: a
+# hash of them could, rarely, let two of them share cached encodings.
+_SALT_NUMBERS: dict[tuple[object, ...], int] = {}
+_NEXT_SALT = itertools.count(1)
 
 
 def _salt(config: Config, clock: int, versions: dict[str, str]) -> int:
     """What a node's encodings depend on besides the node (its clock, the view's settings and
-    the current lease versions: ``versions`` is one dict per mailbox) as one hashed key, made
+    the current lease versions: ``versions`` is one dict per mailbox) as one number, looked up
     once per clock and mailbox."""
     key = (id(config), id(versions), clock)
     hit = _SALTS.get(key)
     if hit is not None and hit[0] is config and hit[1] is versions:
         return hit[2]
     coded = (config.exact, config.renewals_ahead, config.lease_every, config.lease_timeout)
-    salt = hash((clock, config.cap, coded, tuple(sorted(versions.items()))))
+    inputs = (clock, config.cap, coded, tuple(sorted(versions.items())))
+    salt = _SALT_NUMBERS.get(inputs)
+    if salt is None:
+        if len(_SALT_NUMBERS) > _LIMIT // 8:
+            _SALT_NUMBERS.clear()  # the numbers already given stay unique: the count goes on
+        salt = _SALT_NUMBERS[inputs] = next(_NEXT_SALT)
     if len(_SALTS) > _LIMIT // 8:
         _SALTS.clear()
     _SALTS[key] = (config, versions, salt)
