@@ -110,7 +110,7 @@ def _cached(obj: object, salt: object, compute: Any) -> Any:
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is obj:
         return hit[1]
-    if len(_CACHE) > _LIMIT:
+    if len(_CACHE) + len(_PLAIN) > _LIMIT:
         _clear()
     value = compute()
     _CACHE[key] = (obj, value)
@@ -132,7 +132,7 @@ def _node_coded(world: World, node: NodeState, versions: dict[str, str], salt: i
         node.clock, config.cap, versions, config.renewals_ahead, None if config.exact else config,
         salt,
     )  # fmt: skip
-    if len(_CACHE) > _LIMIT:
+    if len(_CACHE) + len(_PLAIN) > _LIMIT:
         _clear()
     encode = coder.encode
     # The node with its clock as 0 (every time in it is already relative to the clock).
@@ -271,7 +271,7 @@ class _Coder:
         if hit is not None and hit[0] is value:
             self.reads += 1  # what contains it depends on this coder too
             return hit[1]
-        if len(_CACHE) > _LIMIT or len(_PLAIN) > _LIMIT:
+        if len(_CACHE) + len(_PLAIN) > _LIMIT:
             _clear()
         before = self.reads
         encoded = self._encode(value)
