@@ -99,6 +99,13 @@ class NodeState(NamedTuple):
         found: Loop | None = getattr(self, name)
         return found
 
+    def with_loop(self, name: str, loop: Loop) -> NodeState:
+        """This node with its loop ``name`` replaced (``_replace``, without its keyword
+        machinery: the explorer does this several times a step)."""
+        fields = list(self)
+        fields[_LOOP_FIELDS[name]] = loop
+        return _new(NodeState, fields)
+
 
 class Event(NamedTuple):
     """One atomic step of the world. ``loop``: which of a node's loops a ``step`` runs;
@@ -152,8 +159,8 @@ class World(NamedTuple):
         return self.nodes[i]
 
     def with_node(self, i: int, node: NodeState) -> World:
-        nodes = (*self.nodes[:i], node, *self.nodes[i + 1 :])
-        return self._replace(nodes=nodes)
+        nodes = self.nodes
+        return _new(World, (self.config, self.time, (*nodes[:i], node, *nodes[i + 1 :]), *self[3:]))
 
     def flag(self, name: str, message: str) -> World:
         """Record that the transition invariant ``name`` failed, saying how."""
@@ -165,3 +172,8 @@ class World(NamedTuple):
         counts = dict(self.commit_writes)
         counts[r] = counts.get(r, 0) + 1
         return self._replace(commit_writes=tuple(sorted(counts.items())))
+
+
+_new = tuple.__new__
+_LOOP_FIELDS = {name: NodeState._fields.index(name) for name in LOOPS}
+assert World._fields[:3] == ("config", "time", "nodes")

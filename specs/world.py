@@ -166,7 +166,8 @@ def _step(world: World, i: int, loop: str, outcome: str) -> World:
         assert current is not None
         view = current.inbox
         state, effects, _ = rule(view, current.state, now=float(node.clock), settings=settings)
-        world = world.with_node(i, node._replace(**{loop: current._replace(state=state, inbox=())}))
+        taken = Loop(state, (), current.wake, current.done)
+        world = world.with_node(i, node.with_loop(loop, taken))
         results: list[fx.Result] = []
         until, wrote, done = math.inf, False, False
         for effect in effects:
@@ -192,9 +193,8 @@ def _step(world: World, i: int, loop: str, outcome: str) -> World:
         assert current is not None
         inbox = (*current.inbox, *results)
         wake = -math.inf if results else until
-        world = world.with_node(
-            i, node._replace(**{loop: current._replace(inbox=inbox, wake=wake)})
-        )
+        waiting = Loop(current.state, inbox, wake, current.done)
+        world = world.with_node(i, node.with_loop(loop, waiting))
         if done:
             return _finished(world, i, loop)
         if config.grain == "call" or wrote or not results:
