@@ -175,7 +175,7 @@ def _send(node: NodeState, loop: str, message: fx.Result) -> NodeState:
     target = node.loop(loop)
     if target is None or target.done:
         return node
-    return node._replace(**{loop: target._replace(inbox=(*target.inbox, message))})
+    return node.with_loop(loop, target._replace(inbox=(*target.inbox, message)))
 
 
 # -- the syncer loop -----------------------------------------------------------------------

@@ -217,7 +217,7 @@ def _finished(world: World, i: int, loop: str) -> World:
     assert current is not None
     if loop == "join":
         return _started(world, i, current.state)
-    node = node._replace(**{loop: current._replace(done=True, inbox=(), wake=math.inf)})
+    node = node.with_loop(loop, Loop(current.state, (), math.inf, True))
     if (
         node.learner is not None
         and node.syncer is not None
